@@ -1,0 +1,39 @@
+"""lightning-torchrec: train TorchRec models with sharded embedding tables using lightning.Trainer.
+
+Importing the package registers ``Trainer(strategy="torchrec")`` (and ``"torchrec_spawn"``,
+``"torchrec_fork"``, ``"torchrec_notebook"``).
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_torchrec.checkpoint import is_sharded_checkpoint
+from lightning_torchrec.data import Batch, SyntheticClickData
+from lightning_torchrec.models import DLRMClickModule
+from lightning_torchrec.module import ModelAndLoss, TorchRecModule, weighted_bce_with_logits
+from lightning_torchrec.optim import (
+    DenseAndFusedOptimizer,
+    combine_optimizers,
+    dense_parameters,
+)
+from lightning_torchrec.planning import PlanSummary, summarize_plan
+from lightning_torchrec.strategy import TorchRecStrategy
+
+TorchRecStrategy.register_strategies(StrategyRegistry)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Batch",
+    "DLRMClickModule",
+    "DenseAndFusedOptimizer",
+    "ModelAndLoss",
+    "PlanSummary",
+    "SyntheticClickData",
+    "TorchRecModule",
+    "TorchRecStrategy",
+    "combine_optimizers",
+    "dense_parameters",
+    "is_sharded_checkpoint",
+    "summarize_plan",
+    "weighted_bce_with_logits",
+]

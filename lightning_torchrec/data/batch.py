@@ -1,0 +1,78 @@
+"""The batch type the module and the demo use: TorchRec's ``Batch`` plus optional sample weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.streamable import Pipelineable
+
+
+@dataclass
+class Batch(Pipelineable):
+    """A recommendation batch in TorchRec's layout, with optional per-sample weights.
+
+    It has the fields of ``torchrec.datasets.utils.Batch`` (so TorchRec models and train
+    pipelines accept it) and the ``weights`` field of the-algorithm-ml's batches.
+
+    Attributes:
+        dense_features: ``[B, num_dense]`` float features.
+        sparse_features: ids per sparse feature, ``[F x B x L]``.
+        labels: ``[B]`` click labels (0/1, any float dtype).
+        weights: ``[B]`` sample weights for the loss, or None for weight 1.
+    """
+
+    dense_features: torch.Tensor
+    sparse_features: KeyedJaggedTensor
+    labels: torch.Tensor
+    weights: torch.Tensor | None = None
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        """Moves every tensor of the batch to ``device``.
+
+        Args:
+            device: the target device.
+            non_blocking: passed to ``Tensor.to``.
+
+        Returns:
+            A new batch on ``device``.
+        """
+        return Batch(
+            dense_features=self.dense_features.to(device=device, non_blocking=non_blocking),
+            sparse_features=self.sparse_features.to(device=device, non_blocking=non_blocking),
+            labels=self.labels.to(device=device, non_blocking=non_blocking),
+            weights=None
+            if self.weights is None
+            else self.weights.to(device=device, non_blocking=non_blocking),
+        )
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        """Marks every tensor as used by ``stream`` (for TorchRec's pipelined training).
+
+        Args:
+            stream: the CUDA stream.
+        """
+        self.dense_features.record_stream(stream)
+        self.sparse_features.record_stream(stream)
+        self.labels.record_stream(stream)
+        if self.weights is not None:
+            self.weights.record_stream(stream)
+
+    def pin_memory(self) -> Batch:
+        """Returns a copy of the batch in pinned host memory.
+
+        Returns:
+            The pinned batch.
+        """
+        return Batch(
+            dense_features=self.dense_features.pin_memory(),
+            sparse_features=self.sparse_features.pin_memory(),
+            labels=self.labels.pin_memory(),
+            weights=None if self.weights is None else self.weights.pin_memory(),
+        )
+
+    @property
+    def batch_size(self) -> int:
+        """Number of samples in the batch."""
+        return int(self.labels.shape[0])

@@ -1,0 +1,260 @@
+"""Learnable synthetic click data: labels follow a hidden rule over the ids and dense features.
+
+Each sparse feature ``cat_i`` draws ids from a skewed (popularity-like) distribution over its
+table. Every id has a hidden score in [-1, 1] given by an integer hash of (feature, id, seed), so
+tables of any size cost no memory. A sample's click probability is
+``sigmoid(strength * (mean id score per feature, summed and scaled) + dense @ w + bias)``.
+A model that learns good embeddings therefore reaches an AUROC well above 0.5; a model that
+learns nothing stays at 0.5.
+
+Batch ``i`` of a split depends only on ``(seed, split, i)``: runs are reproducible, and each rank
+reads the batches its ``DistributedSampler`` hands it (Lightning adds one automatically).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from lightning_torchrec.data.batch import Batch
+
+_MASK32 = 0xFFFFFFFF
+_SPLIT_OFFSETS = {"train": 0, "val": 1_000_003, "test": 2_000_029, "predict": 3_000_017}
+
+
+def _hash_unit(ids: torch.Tensor, salt: int) -> torch.Tensor:
+    """Maps int64 ids to pseudo-random floats in [-1, 1] with a 32-bit integer hash."""
+    x = (ids.to(torch.int64) + salt) & _MASK32
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
+    x = x ^ (x >> 16)
+    return x.to(torch.float32) / float(_MASK32) * 2.0 - 1.0
+
+
+class SyntheticClickDataset(Dataset[Batch]):
+    """A map-style dataset of whole batches of synthetic clicks (use ``batch_size=None``).
+
+    Args:
+        num_embeddings_per_feature: rows of the table each sparse feature reads.
+        num_batches: number of batches in the split.
+        batch_size: samples per batch.
+        num_dense_features: width of the dense features.
+        ids_per_feature: mean number of ids per feature and sample (lengths are uniform in
+            ``[0, 2 * ids_per_feature]``).
+        seed: fixes the hidden rule and the samples.
+        split: one of ``train``, ``val``, ``test``, ``predict`` (different samples, same rule).
+        signal_strength: how strongly the ids drive the click probability.
+        skew: ids are ``floor(rows * u ** skew)``; larger means a few ids dominate.
+
+    Raises:
+        ValueError: for empty tables, non-positive sizes or an unknown split.
+    """
+
+    def __init__(
+        self,
+        num_embeddings_per_feature: Sequence[int],
+        num_batches: int,
+        batch_size: int,
+        num_dense_features: int = 13,
+        ids_per_feature: int = 4,
+        seed: int = 0,
+        split: str = "train",
+        signal_strength: float = 2.0,
+        skew: float = 2.0,
+    ) -> None:
+        if split not in _SPLIT_OFFSETS:
+            raise ValueError(f"split must be one of {sorted(_SPLIT_OFFSETS)}, got {split!r}")
+        for i, rows in enumerate(num_embeddings_per_feature):
+            if rows < 1:
+                raise ValueError(f"table of feature cat_{i} must have at least 1 row, got {rows}")
+        for name, value in (("num_batches", num_batches), ("batch_size", batch_size)):
+            if value < 1:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if num_dense_features < 1 or ids_per_feature < 1:
+            raise ValueError("num_dense_features and ids_per_feature must be positive")
+        self.num_embeddings_per_feature = list(num_embeddings_per_feature)
+        self.feature_names = [f"cat_{i}" for i in range(len(self.num_embeddings_per_feature))]
+        self.num_batches = num_batches
+        self.batch_size = batch_size
+        self.num_dense_features = num_dense_features
+        self.ids_per_feature = ids_per_feature
+        self.seed = seed
+        self.split = split
+        self.signal_strength = signal_strength
+        self.skew = skew
+        rule = torch.Generator().manual_seed(seed)
+        # Dense features carry a weaker signal than the ids, so learning shows in the tables.
+        self.dense_weights = (
+            0.5 * torch.randn(num_dense_features, generator=rule) / math.sqrt(num_dense_features)
+        )
+        self.bias = -0.5
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def id_scores(self, feature_index: int, ids: torch.Tensor) -> torch.Tensor:
+        """The hidden score in [-1, 1] of each id of one feature.
+
+        Args:
+            feature_index: which sparse feature.
+            ids: int64 ids.
+
+        Returns:
+            Float scores, shaped like ``ids``.
+        """
+        return _hash_unit(ids, salt=(self.seed * 1_000_003 + feature_index * 7_919) & _MASK32)
+
+    def __getitem__(self, index: int) -> Batch:
+        if not 0 <= index < self.num_batches:
+            raise IndexError(f"batch {index} out of range for {self.num_batches} batches")
+        g = torch.Generator().manual_seed(
+            self.seed * 7_777_777 + _SPLIT_OFFSETS[self.split] + index
+        )
+        b = self.batch_size
+        dense = torch.randn(b, self.num_dense_features, generator=g)
+        logit = dense @ self.dense_weights + self.bias
+        lengths, values = [], []
+        id_signal = torch.zeros(b)
+        for f, rows in enumerate(self.num_embeddings_per_feature):
+            lens = torch.randint(0, 2 * self.ids_per_feature + 1, (b,), generator=g)
+            u = torch.rand(int(lens.sum()), generator=g)
+            ids = torch.clamp((rows * u.pow(self.skew)).long(), max=rows - 1)
+            scores = self.id_scores(f, ids)
+            sample = torch.repeat_interleave(torch.arange(b), lens)
+            sums = torch.zeros(b).index_add_(0, sample, scores)
+            id_signal += sums / lens.clamp_min(1)
+            lengths.append(lens)
+            values.append(ids)
+        # The mean of F scores uniform in [-1, 1] has std 1/sqrt(3F); rescale to unit std.
+        scale = math.sqrt(3.0 / max(1, len(self.num_embeddings_per_feature)))
+        logit = logit + self.signal_strength * id_signal * scale
+        labels = torch.bernoulli(torch.sigmoid(logit), generator=g)
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=self.feature_names,
+            values=torch.cat(values),
+            lengths=torch.cat(lengths).to(torch.int32),
+        )
+        return Batch(dense_features=dense, sparse_features=kjt, labels=labels)
+
+
+class SyntheticClickData(L.LightningDataModule):
+    """Lightning data module of learnable synthetic click data for DLRM-style models.
+
+    Every feature ``cat_i`` reads its own table of ``num_embeddings`` rows (or the per-feature
+    sizes in ``num_embeddings_per_feature``). Lightning's ``DistributedSampler`` gives each rank
+    its own batches.
+
+    Args:
+        num_embeddings: rows of every table (ignored when ``num_embeddings_per_feature`` is set).
+        num_sparse_features: number of sparse features (tables).
+        num_embeddings_per_feature: explicit table sizes, one per feature.
+        num_dense_features: width of the dense features.
+        ids_per_feature: mean ids per feature and sample.
+        batch_size: samples per batch on each rank.
+        train_batches: batches in the training split (over all ranks).
+        val_batches: batches in the validation split.
+        test_batches: batches in the test split.
+        seed: fixes the hidden rule and every sample.
+        signal_strength: how strongly ids drive clicks.
+        num_workers: DataLoader workers.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int = 10_000,
+        num_sparse_features: int = 8,
+        num_embeddings_per_feature: list[int] | None = None,
+        num_dense_features: int = 13,
+        ids_per_feature: int = 4,
+        batch_size: int = 512,
+        train_batches: int = 400,
+        val_batches: int = 40,
+        test_batches: int = 40,
+        seed: int = 0,
+        signal_strength: float = 2.0,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        self.num_embeddings_per_feature = (
+            list(num_embeddings_per_feature)
+            if num_embeddings_per_feature is not None
+            else [num_embeddings] * num_sparse_features
+        )
+        self.feature_names = [f"cat_{i}" for i in range(len(self.num_embeddings_per_feature))]
+        self.num_dense_features = num_dense_features
+        self.ids_per_feature = ids_per_feature
+        self.batch_size = batch_size
+        self.split_batches = {"train": train_batches, "val": val_batches, "test": test_batches}
+        self.seed = seed
+        self.signal_strength = signal_strength
+        self.num_workers = num_workers
+
+    def table_configs(self, embedding_dim: int) -> list[EmbeddingBagConfig]:
+        """One ``EmbeddingBagConfig`` per feature (``t_cat_i`` reads ``cat_i``).
+
+        Args:
+            embedding_dim: the width of every table.
+
+        Returns:
+            The table configs matching this data.
+        """
+        return [
+            EmbeddingBagConfig(
+                name=f"t_{name}",
+                embedding_dim=embedding_dim,
+                num_embeddings=rows,
+                feature_names=[name],
+            )
+            for name, rows in zip(self.feature_names, self.num_embeddings_per_feature)
+        ]
+
+    def dataset(self, split: str) -> SyntheticClickDataset:
+        """The dataset of one split.
+
+        Args:
+            split: ``train``, ``val``, ``test`` or ``predict`` (``predict`` uses the test size).
+
+        Returns:
+            The dataset.
+        """
+        return SyntheticClickDataset(
+            self.num_embeddings_per_feature,
+            num_batches=self.split_batches["test" if split == "predict" else split],
+            batch_size=self.batch_size,
+            num_dense_features=self.num_dense_features,
+            ids_per_feature=self.ids_per_feature,
+            seed=self.seed,
+            split=split,
+            signal_strength=self.signal_strength,
+        )
+
+    def _loader(self, split: str, shuffle: bool) -> DataLoader[Batch]:
+        return DataLoader(
+            self.dataset(split),
+            batch_size=None,
+            shuffle=shuffle,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader[Batch]:
+        """Shuffled training batches (Lightning adds the per-rank sampler)."""
+        return self._loader("train", shuffle=True)
+
+    def val_dataloader(self) -> DataLoader[Batch]:
+        """Validation batches."""
+        return self._loader("val", shuffle=False)
+
+    def test_dataloader(self) -> DataLoader[Batch]:
+        """Test batches."""
+        return self._loader("test", shuffle=False)
+
+    def predict_dataloader(self) -> DataLoader[Batch]:
+        """Prediction batches (the test samples)."""
+        return self._loader("predict", shuffle=False)

@@ -1,0 +1,84 @@
+"""Ready-made LightningModules for common TorchRec models."""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torchrec.models.dlrm import DLRM
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from lightning_torchrec.module import ModelAndLoss, TorchRecModule, _default_optimizer
+
+
+def dlrm_tables(num_embeddings_per_feature: list[int], embedding_dim: int) -> list[EmbeddingBagConfig]:
+    """One table ``t_cat_i`` per sparse feature ``cat_i``.
+
+    Args:
+        num_embeddings_per_feature: rows per table.
+        embedding_dim: width of every table.
+
+    Returns:
+        The table configs.
+    """
+    return [
+        EmbeddingBagConfig(
+            name=f"t_cat_{i}",
+            embedding_dim=embedding_dim,
+            num_embeddings=rows,
+            feature_names=[f"cat_{i}"],
+        )
+        for i, rows in enumerate(num_embeddings_per_feature)
+    ]
+
+
+class DLRMClickModule(TorchRecModule):
+    """TorchRec's DLRM trained on click data, tables created on the meta device.
+
+    Tables exist only as shards once ``TorchRecStrategy`` has sharded the model; no rank ever
+    holds a whole table it was not assigned.
+
+    Args:
+        num_embeddings_per_feature: rows of the table of each sparse feature ``cat_i``.
+        num_dense_features: width of the dense input.
+        embedding_dim: width of every table (the last dense layer has this width).
+        dense_arch_layer_sizes: bottom MLP sizes; the last must equal ``embedding_dim``.
+        over_arch_layer_sizes: top MLP sizes; the last must be 1.
+        optimizer: builds the dense optimizer.
+        lr_scheduler: builds the LR scheduler (drives the fused embedding LR too), or None.
+
+    Raises:
+        ValueError: if the layer sizes do not fit DLRM's shape rules.
+    """
+
+    def __init__(
+        self,
+        num_embeddings_per_feature: list[int],
+        num_dense_features: int = 13,
+        embedding_dim: int = 16,
+        dense_arch_layer_sizes: list[int] | None = None,
+        over_arch_layer_sizes: list[int] | None = None,
+        optimizer: OptimizerCallable = _default_optimizer,
+        lr_scheduler: LRSchedulerCallable | None = None,
+    ) -> None:
+        dense_sizes = dense_arch_layer_sizes or [64, embedding_dim]
+        over_sizes = over_arch_layer_sizes or [64, 1]
+        if dense_sizes[-1] != embedding_dim:
+            raise ValueError(
+                f"dense_arch_layer_sizes must end with embedding_dim={embedding_dim}, "
+                f"got {dense_sizes}"
+            )
+        if over_sizes[-1] != 1:
+            raise ValueError(f"over_arch_layer_sizes must end with 1, got {over_sizes}")
+        ebc = EmbeddingBagCollection(
+            tables=dlrm_tables(num_embeddings_per_feature, embedding_dim),
+            device=torch.device("meta"),
+        )
+        dlrm = DLRM(
+            embedding_bag_collection=ebc,
+            dense_in_features=num_dense_features,
+            dense_arch_layer_sizes=dense_sizes,
+            over_arch_layer_sizes=over_sizes,
+        )
+        super().__init__(ModelAndLoss(dlrm), optimizer=optimizer, lr_scheduler=lr_scheduler)
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])

@@ -1,0 +1,174 @@
+"""One optimizer Lightning can step: the dense optimizer plus TorchRec's fused embedding optimizer.
+
+Fused (TBE) tables update inside the backward pass; their "optimizer" only carries the
+hyper-parameters (the learning rate above all) and the state (e.g. row-wise Adagrad sums).
+Combining it with the dense optimizer gives LR schedulers, ``LearningRateMonitor`` and checkpoints
+one object that sees both, while the training closure still runs once (the fused part ignores it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torchrec.optim.fused import FusedOptimizerModule
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
+
+DENSE_KEY = "dense"
+FUSED_KEY = "embedding"
+
+
+def is_fused_parameter(param: torch.Tensor) -> bool:
+    """Whether ``param`` is updated by a fused (in-backward) embedding optimizer.
+
+    Args:
+        param: a parameter of a (possibly sharded) model.
+
+    Returns:
+        True for fused embedding-table parameters, which no dense optimizer may update.
+    """
+    return hasattr(param, "_in_backward_optimizers")
+
+
+def dense_named_parameters(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """The named parameters a dense optimizer should train.
+
+    Everything except fused embedding tables: dense layers and data-parallel (replicated)
+    tables, which TorchRec trains with the dense optimizer.
+
+    Args:
+        module: a (possibly sharded) module.
+
+    Yields:
+        ``(name, parameter)`` pairs.
+    """
+    for name, param in module.named_parameters():
+        if param.requires_grad and not is_fused_parameter(param):
+            yield name, param
+
+
+def dense_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters to give the dense optimizer in ``configure_optimizers``.
+
+    Example::
+
+        def configure_optimizers(self):
+            return combine_optimizers(torch.optim.Adam(dense_parameters(self)), self)
+
+    Args:
+        module: a (possibly sharded) module.
+
+    Returns:
+        Every trainable parameter that is not a fused embedding table.
+    """
+    return [p for _, p in dense_named_parameters(module)]
+
+
+def fused_optimizers(module: nn.Module, prefix: str = "") -> list[tuple[str, KeyedOptimizer]]:
+    """Collects the fused optimizers of TorchRec's sharded modules inside ``module``.
+
+    Args:
+        module: a module whose embedding modules have been sharded.
+        prefix: path of ``module`` (used in the keys).
+
+    Returns:
+        ``(module path, fused optimizer)`` pairs, outermost fused module first; empty when the
+        module holds no fused tables.
+    """
+    if isinstance(module, FusedOptimizerModule):
+        return [(prefix, module.fused_optimizer)]
+    found: list[tuple[str, KeyedOptimizer]] = []
+    for name, child in module.named_children():
+        found.extend(fused_optimizers(child, f"{prefix}.{name}" if prefix else name))
+    return found
+
+
+class DenseAndFusedOptimizer(CombinedOptimizer):
+    """A ``CombinedOptimizer`` of one dense optimizer and the fused embedding optimizers.
+
+    ``param_groups`` lists the dense groups first, then one group per fused table group, so an
+    LR scheduler built on this optimizer drives both. ``zero_grad`` sets gradients to None by
+    default, like torch optimizers, and also pushes the fused learning rate into the kernels.
+
+    Args:
+        dense: the keyed dense optimizer.
+        fused: ``(path, fused optimizer)`` pairs.
+    """
+
+    def __init__(self, dense: KeyedOptimizer, fused: list[tuple[str, KeyedOptimizer]]) -> None:
+        optims: list[tuple[str, KeyedOptimizer]] = [(DENSE_KEY, dense)]
+        if fused:
+            optims.append((FUSED_KEY, CombinedOptimizer(fused)))
+        super().__init__(optims)
+
+    @property
+    def dense(self) -> KeyedOptimizer:
+        """The keyed dense optimizer."""
+        return self.optimizers[0][1]
+
+    @property
+    def fused(self) -> KeyedOptimizer | None:
+        """The combined fused embedding optimizer, or None without fused tables."""
+        return self.optimizers[1][1] if len(self.optimizers) > 1 else None
+
+    @property
+    def dense_optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer the user built for the dense parameters."""
+        return self.dense._optimizer  # type: ignore[attr-defined]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears dense gradients and pushes the fused learning rate into the kernels.
+
+        Args:
+            set_to_none: set gradients to None instead of zero.
+        """
+        super().zero_grad(set_to_none=set_to_none)
+
+    def push_fused_lr(self) -> None:
+        """Writes each fused group's current ``lr`` into its embedding kernel.
+
+        TorchRec's fused optimizers copy ``param_groups[0]["lr"]`` into the kernel only in
+        ``zero_grad()``/``step()``; the kernel reads it during the backward pass. Calling this
+        before each forward makes a scheduler's change apply to the very next update.
+        """
+        if self.fused is not None:
+            self.fused.zero_grad()
+
+
+def combine_optimizers(dense_optimizer: torch.optim.Optimizer, module: nn.Module) -> KeyedOptimizer:
+    """Combines a dense torch optimizer with the fused embedding optimizers of ``module``.
+
+    Build LR schedulers on the returned optimizer to schedule the embedding learning rate too.
+
+    Args:
+        dense_optimizer: an optimizer over (a subset of) ``dense_parameters(module)``.
+        module: the (sharded) module; its parameters name the optimizer state in checkpoints.
+
+    Returns:
+        A ``DenseAndFusedOptimizer`` (the dense optimizer alone is wrapped too, so checkpoints
+        key its state by parameter name).
+
+    Raises:
+        ValueError: if the dense optimizer holds fused embedding-table parameters, naming them.
+    """
+    if isinstance(dense_optimizer, DenseAndFusedOptimizer):
+        return dense_optimizer
+    names = {id(p): n for n, p in module.named_parameters()}
+    fused_names, params = [], {}
+    for group in dense_optimizer.param_groups:
+        for i, p in enumerate(group["params"]):
+            name = names.get(id(p), f"unnamed_parameter_{len(params)}_{i}")
+            if is_fused_parameter(p):
+                fused_names.append(name)
+            params[name] = p
+    if fused_names:
+        raise ValueError(
+            "The dense optimizer from `configure_optimizers` holds fused embedding-table "
+            f"parameters: {sorted(fused_names)}. They are updated inside the backward pass by "
+            "TorchRec's fused optimizer (set its type and learning rate with "
+            "`TorchRecStrategy(fused_params=...)`). Build the dense optimizer on "
+            "`lightning_torchrec.dense_parameters(self)` instead of `self.parameters()`."
+        )
+    keyed = KeyedOptimizerWrapper(params, lambda _: dense_optimizer)
+    return DenseAndFusedOptimizer(keyed, fused_optimizers(module))

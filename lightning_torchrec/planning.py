@@ -1,0 +1,278 @@
+"""Sharding plans: topology from the Trainer, sharders with fused params, checks, summaries."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.planner.types import (
+    KernelConfig,
+    ParameterConstraints,
+    Topology,
+    TopologyFactory,
+    TrainerConfig,
+)
+from torchrec.distributed.types import ModuleSharder, ShardingPlan
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig, data_type_to_dtype
+
+#: Sharding types that need CUDA: gloo has no reduce-scatter for row-wise output dist.
+CUDA_ONLY_SHARDING_TYPES = frozenset({"row_wise", "table_row_wise", "grid_shard"})
+#: Compute kernels whose tables are updated in the backward pass by a fused optimizer.
+FUSED_KERNELS = frozenset({"fused", "fused_uvm", "fused_uvm_caching", "key_value"})
+
+
+def default_fused_params() -> dict[str, Any]:
+    """Fused embedding optimizer settings that train recommendation tables well.
+
+    Returns:
+        Row-wise Adagrad with learning rate 0.01 (one accumulator per row: small state, robust
+        to the skewed id frequencies of click data).
+    """
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    return {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.01, "eps": 1e-8}
+
+
+def default_sharders(fused_params: dict[str, Any] | None) -> list[ModuleSharder[nn.Module]]:
+    """Sharders for ``EmbeddingBagCollection`` and ``EmbeddingCollection`` with fused params.
+
+    Args:
+        fused_params: fused optimizer settings (``optimizer``, ``learning_rate``, ...).
+
+    Returns:
+        The sharders.
+    """
+    params = default_fused_params() if fused_params is None else dict(fused_params)
+    return [
+        EmbeddingBagCollectionSharder(fused_params=params),  # type: ignore[list-item]
+        EmbeddingCollectionSharder(fused_params=params),  # type: ignore[list-item]
+    ]
+
+
+def make_topology(
+    world_size: int,
+    local_world_size: int,
+    compute_device: str,
+    **trainer_config: Any,
+) -> Topology:
+    """A planner ``Topology`` for the Trainer's processes.
+
+    Lightning's launcher does not set ``LOCAL_WORLD_SIZE``; without it TorchRec assumes 8 local
+    devices, so it is passed explicitly.
+
+    Args:
+        world_size: total number of processes.
+        local_world_size: processes per node.
+        compute_device: ``"cpu"`` or ``"cuda"``.
+        **trainer_config: further ``TrainerConfig`` fields (e.g. ``hbm_cap_bytes``).
+
+    Returns:
+        The topology.
+    """
+    return TopologyFactory.create_topology(
+        trainer_config=TrainerConfig(
+            world_size=world_size, local_world_size=local_world_size, **trainer_config
+        ),
+        kernel_config=KernelConfig(compute_device=compute_device),
+    )
+
+
+def check_constraints_for_device(
+    constraints: dict[str, ParameterConstraints] | None, compute_device: str
+) -> None:
+    """Refuses sharding types the compute device cannot run.
+
+    Args:
+        constraints: per-table planner constraints.
+        compute_device: ``"cpu"`` or ``"cuda"``.
+
+    Raises:
+        ValueError: naming the table, when a CUDA-only type is the only choice on CPU.
+    """
+    if compute_device == "cuda" or not constraints:
+        return
+    for table, c in constraints.items():
+        types = set(c.sharding_types or ())
+        if types and types <= CUDA_ONLY_SHARDING_TYPES:
+            raise ValueError(
+                f"Table {table!r} is constrained to {sorted(types)} sharding, which needs CUDA "
+                "(gloo has no reduce-scatter). On CPU use table_wise, column_wise, "
+                "table_column_wise or data_parallel, e.g. "
+                "ParameterConstraints(sharding_types=['table_wise'])."
+            )
+
+
+def check_plan(plan: ShardingPlan, world_size: int, compute_device: str) -> None:
+    """Refuses a plan that cannot run on this world size and device.
+
+    Args:
+        plan: the sharding plan.
+        world_size: number of processes.
+        compute_device: ``"cpu"`` or ``"cuda"``.
+
+    Raises:
+        ValueError: naming the table, for CUDA-only sharding types on CPU or ranks outside the
+            world.
+    """
+    for module_path, module_plan in plan.plan.items():
+        for table, ps in module_plan.items():  # type: ignore[attr-defined]
+            where = f"table {table!r} of module {module_path!r}"
+            if compute_device != "cuda" and ps.sharding_type in CUDA_ONLY_SHARDING_TYPES:
+                raise ValueError(
+                    f"The plan shards {where} {ps.sharding_type}, which needs CUDA (gloo has no "
+                    "reduce-scatter). On CPU use table_wise, column_wise, table_column_wise or "
+                    "data_parallel."
+                )
+            bad = [r for r in (ps.ranks or []) if not 0 <= r < world_size]
+            if bad:
+                raise ValueError(
+                    f"The plan places {where} on ranks {bad}, but the world has {world_size} "
+                    "ranks. Re-plan for this world size, or pass no plan to let the planner plan."
+                )
+
+
+def has_fused_tables(plan: ShardingPlan) -> bool:
+    """Whether any table in ``plan`` uses a fused (in-backward) compute kernel.
+
+    Args:
+        plan: the sharding plan.
+
+    Returns:
+        True when some table is fused.
+    """
+    return any(
+        ps.compute_kernel in FUSED_KERNELS
+        for module_plan in plan.plan.values()
+        for ps in module_plan.values()  # type: ignore[attr-defined]
+    )
+
+
+@dataclass
+class TablePlacement:
+    """Where one table went.
+
+    Attributes:
+        module: path of the embedding module.
+        table: table name.
+        sharding_type: e.g. ``table_wise``.
+        compute_kernel: e.g. ``fused``.
+        ranks: ranks holding a part of it.
+        shape: ``(rows, dim)``.
+        bytes_per_rank: weight bytes each rank holds.
+    """
+
+    module: str
+    table: str
+    sharding_type: str
+    compute_kernel: str
+    ranks: list[int]
+    shape: tuple[int, int]
+    bytes_per_rank: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass
+class PlanSummary:
+    """A readable account of a sharding plan.
+
+    Attributes:
+        world_size: number of ranks.
+        tables: one placement per table.
+    """
+
+    world_size: int
+    tables: list[TablePlacement]
+
+    @property
+    def bytes_per_rank(self) -> list[int]:
+        """Table weight bytes per rank (optimizer state not included)."""
+        totals = [0] * self.world_size
+        for t in self.tables:
+            for rank, n in t.bytes_per_rank.items():
+                totals[rank] += n
+        return totals
+
+    def to_markdown(self) -> str:
+        """The plan as a Markdown table, then the bytes per rank.
+
+        Returns:
+            Markdown text.
+        """
+        lines = [
+            "| table | module | sharding | kernel | ranks | rows x dim |",
+            "|---|---|---|---|---|---|",
+        ]
+        for t in self.tables:
+            ranks = ",".join(map(str, t.ranks))
+            lines.append(
+                f"| {t.table} | {t.module} | {t.sharding_type} | {t.compute_kernel} | "
+                f"{ranks} | {t.shape[0]} x {t.shape[1]} |"
+            )
+        lines += ["", "| rank | table bytes |", "|---|---|"]
+        lines += [f"| {r} | {_human(b)} |" for r, b in enumerate(self.bytes_per_rank)]
+        return "\n".join(lines)
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def _table_configs(model: nn.Module, module_path: str) -> dict[str, BaseEmbeddingConfig]:
+    module = model.get_submodule(module_path) if module_path else model
+    getter = getattr(module, "embedding_bag_configs", None) or getattr(
+        module, "embedding_configs", None
+    )
+    return {c.name: c for c in getter()} if getter is not None else {}
+
+
+def summarize_plan(model: nn.Module, plan: ShardingPlan, world_size: int) -> PlanSummary:
+    """Describes ``plan`` for ``model`` (call before sharding; the model may be on meta).
+
+    Args:
+        model: the unsharded model the plan was made for.
+        plan: its sharding plan.
+        world_size: number of ranks.
+
+    Returns:
+        The summary.
+    """
+    tables = []
+    for module_path, module_plan in plan.plan.items():
+        configs = _table_configs(model, module_path)
+        for name, ps in module_plan.items():  # type: ignore[attr-defined]
+            cfg = configs.get(name)
+            rows, dim = (cfg.num_embeddings, cfg.embedding_dim) if cfg else (0, 0)
+            elem = (
+                torch.tensor([], dtype=data_type_to_dtype(cfg.data_type)).element_size()
+                if cfg
+                else 4
+            )
+            per_rank: dict[int, int] = {}
+            spec = ps.sharding_spec
+            if spec is not None and hasattr(spec, "shards"):
+                for shard in spec.shards:
+                    rank = shard.placement.rank()
+                    per_rank[rank] = per_rank.get(rank, 0) + math.prod(shard.shard_sizes) * elem
+            else:
+                for rank in ps.ranks or range(world_size):
+                    per_rank[rank] = rows * dim * elem
+            tables.append(
+                TablePlacement(
+                    module=module_path,
+                    table=name,
+                    sharding_type=ps.sharding_type,
+                    compute_kernel=ps.compute_kernel,
+                    ranks=sorted(per_rank) if per_rank else list(ps.ranks or []),
+                    shape=(rows, dim),
+                    bytes_per_rank=per_rank,
+                )
+            )
+    return PlanSummary(world_size=world_size, tables=tables)

@@ -1,0 +1,354 @@
+"""The one place that knows how tensors are laid out over ranks.
+
+A parameter or state-dict value seen on one rank can be:
+
+* a plain :class:`torch.Tensor` (dense parameters, data-parallel embedding tables, any tensor of
+  a single-process run): every rank holds all of it, so it is *replicated*;
+* a :class:`~torch.distributed._shard.sharded_tensor.ShardedTensor` (TorchRec's model-parallel
+  tables): this rank holds zero, one or several pieces of a larger table;
+* a :class:`~torch.distributed.tensor.DTensor`, either a regular one or TorchRec's
+  (``output_dtensor``) whose local tensor is a ``LocalShardsWrapper`` listing its pieces;
+* TorchRec's ``TableBatchedEmbeddingSlice``, the view of a fused table that
+  ``named_parameters()`` returns. It carries no global metadata, so it is treated like a plain
+  (replicated) tensor: pass the ShardedTensor of a sharded table instead.
+
+:func:`shard_info` turns any of them into a :class:`ShardInfo`; everything else in the package
+that needs shard shapes goes through it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+logger = logging.getLogger(__name__)
+
+
+class LocalShard(NamedTuple):
+    """One piece of a tensor held by this rank.
+
+    Attributes:
+        tensor: The local data, detached, a plain ``torch.Tensor``.
+        row_offset: Offset of ``tensor`` along dimension 0 of the global tensor.
+        col_offset: Offset along dimension 1 (0 for tensors with fewer than 2 dimensions).
+    """
+
+    tensor: torch.Tensor
+    row_offset: int
+    col_offset: int
+
+
+class ShardInfo(NamedTuple):
+    """How a tensor is laid out, seen from this rank.
+
+    Attributes:
+        shards: The non-empty pieces held by this rank (empty when it holds none).
+        global_shape: Shape of the whole tensor.
+        replicated: True when every rank holds the whole tensor (plain tensors): reduce it
+            locally, never add it up across ranks.
+        counted: For a sharded tensor, whether this rank's pieces take part in cross-rank sums.
+            False only on ranks that hold a replica of another rank's pieces (e.g. the non-first
+            replica groups of a 2D-parallel layout), so that nothing is counted twice.
+    """
+
+    shards: list[LocalShard]
+    global_shape: torch.Size
+    replicated: bool
+    counted: bool
+
+
+def rank_and_world_size() -> tuple[int, int]:
+    """Return this process's rank and the world size.
+
+    Returns:
+        ``(rank, world_size)``; ``(0, 1)`` when ``torch.distributed`` is not initialised.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def collective_device() -> torch.device:
+    """Return the device that tensors given to collectives of the default group must live on.
+
+    Returns:
+        The current CUDA device when the default backend is NCCL, else the CPU.
+    """
+    if dist.is_available() and dist.is_initialized():
+        if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _offsets(offsets: Sequence[int]) -> tuple[int, int]:
+    offsets = [int(o) for o in offsets]
+    return (offsets[0] if offsets else 0), (offsets[1] if len(offsets) > 1 else 0)
+
+
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    # detach() of a TableBatchedEmbeddingSlice (or any Parameter) is a plain Tensor view.
+    return tensor.detach()
+
+
+def _sharded_tensor_info(tensor: ShardedTensor) -> ShardInfo:
+    shards = [
+        LocalShard(_plain(s.tensor), *_offsets(s.metadata.shard_offsets))
+        for s in tensor.local_shards()
+        if s.tensor.numel() > 0
+    ]
+    counted = True
+    pg = getattr(tensor, "_process_group", None)
+    if pg is not None and dist.get_world_size(pg) < dist.get_world_size():
+        # A ShardedTensor over a sub-group: the other groups are assumed to hold replicas
+        # (TorchRec 2D parallel); only the group containing global rank 0 is counted.
+        counted = 0 in dist.get_process_group_ranks(pg)
+    return ShardInfo(shards, tensor.size(), replicated=False, counted=counted)
+
+
+def _dtensor_info(tensor: DTensor) -> ShardInfo:
+    mesh, placements = tensor.device_mesh, tensor.placements
+    if any(p.is_partial() for p in placements):
+        raise ValueError("A DTensor with Partial placements has no well-defined local shards.")
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:  # this rank is not part of the mesh
+        return ShardInfo([], tensor.shape, replicated=False, counted=False)
+    local = tensor._local_tensor
+    if isinstance(local, LocalShardsWrapper):
+        # TorchRec's layout: the pieces are listed explicitly and the placements say nothing
+        # reliable (a table-wise table reads as Replicate() yet lives on one rank). Its 2D mesh is
+        # (replica, shard): count only the first replica group.
+        shards = [
+            LocalShard(_plain(t), *_offsets(o))
+            for t, o in zip(local.local_shards(), local.local_offsets(), strict=False)
+            if t.numel() > 0
+        ]
+        counted = all(c == 0 for c in coordinate[:-1])
+        return ShardInfo(shards, tensor.shape, replicated=False, counted=counted)
+    replicated = all(p.is_replicate() for p in placements)
+    _, offset = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
+    shards = [LocalShard(_plain(local), *_offsets(offset))] if local.numel() > 0 else []
+    counted = all(c == 0 for c, p in zip(coordinate, placements, strict=True) if p.is_replicate())
+    return ShardInfo(shards, tensor.shape, replicated=replicated, counted=counted)
+
+
+def shard_info(tensor: torch.Tensor) -> ShardInfo:
+    """Describe the pieces of ``tensor`` that this rank holds.
+
+    Args:
+        tensor: A plain tensor, ``TableBatchedEmbeddingSlice``, ``ShardedTensor`` or ``DTensor``.
+
+    Returns:
+        The local shards (non-empty ones only), the global shape and whether the tensor is
+        replicated. A plain tensor is one replicated shard at offset ``(0, 0)``.
+
+    Raises:
+        ValueError: For a DTensor with ``Partial`` placements.
+    """
+    if isinstance(tensor, ShardedTensor):
+        return _sharded_tensor_info(tensor)
+    if isinstance(tensor, DTensor):
+        return _dtensor_info(tensor)
+    shards = [LocalShard(_plain(tensor), 0, 0)] if tensor.numel() > 0 else []
+    return ShardInfo(shards, tensor.shape, replicated=True, counted=True)
+
+
+def local_shards(tensor: torch.Tensor) -> list[LocalShard]:
+    """Return the non-empty pieces of ``tensor`` held by this rank.
+
+    Args:
+        tensor: Any tensor accepted by :func:`shard_info`.
+
+    Returns:
+        ``(tensor, row_offset, col_offset)`` tuples; empty when this rank holds nothing.
+    """
+    return shard_info(tensor).shards
+
+
+def global_shape(tensor: torch.Tensor) -> torch.Size:
+    """Return the shape of the whole (unsharded) tensor.
+
+    Args:
+        tensor: Any tensor accepted by :func:`shard_info`.
+
+    Returns:
+        The global shape.
+    """
+    return shard_info(tensor).global_shape
+
+
+def is_replicated(tensor: torch.Tensor) -> bool:
+    """Return whether every rank holds the whole of ``tensor``.
+
+    Args:
+        tensor: Any tensor accepted by :func:`shard_info`.
+
+    Returns:
+        True for plain tensors (dense parameters, data-parallel tables) and fully replicated
+        DTensors.
+    """
+    return shard_info(tensor).replicated
+
+
+def _default_sharders(fused_params: dict[str, Any] | None) -> list[Any]:
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.sharding_plan import get_default_sharders
+
+    sharders = get_default_sharders()
+    if fused_params is None:
+        return sharders
+    replace = {
+        EmbeddingBagCollectionSharder: EmbeddingBagCollectionSharder(fused_params=fused_params),
+        EmbeddingCollectionSharder: EmbeddingCollectionSharder(fused_params=fused_params),
+    }
+    return [replace.get(type(s), s) for s in sharders]
+
+
+def maybe_shard_model(
+    model: nn.Module,
+    device: torch.device,
+    *,
+    plan: Any | None = None,
+    sharders: list[Any] | None = None,
+    constraints: dict[str, Any] | None = None,
+    fused_params: dict[str, Any] | None = None,
+) -> nn.Module:
+    """Wrap ``model`` in ``DistributedModelParallel`` when ``torch.distributed`` is initialised.
+
+    Without a ``plan`` one is made by ``EmbeddingShardingPlanner`` over a topology of
+    ``world_size`` ranks (``LOCAL_WORLD_SIZE`` per host, default ``world_size``) on
+    ``device.type``, with ``planner.collective_plan`` so that every rank gets rank 0's plan.
+
+    Args:
+        model: The model, typically with embedding modules on the ``meta`` device.
+        device: This rank's device (``cpu`` or ``cuda:N``).
+        plan: A ready ``ShardingPlan``; skips planning.
+        sharders: TorchRec module sharders; default: TorchRec's default sharders.
+        constraints: ``{table name: ParameterConstraints}`` for the planner.
+        fused_params: Fused-optimizer parameters for the default EBC/EC sharders.
+
+    Returns:
+        The ``DistributedModelParallel`` model, or ``model`` itself in a single process.
+
+    Raises:
+        ValueError: When ``fused_params`` comes with ``sharders`` or ``constraints`` with ``plan``.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        logger.info("torch.distributed is not initialised: the model is not sharded.")
+        return model
+    if sharders is not None and fused_params is not None:
+        raise ValueError("Pass fused_params or sharders, not both: set them on your sharders.")
+    if plan is not None and constraints is not None:
+        raise ValueError("constraints are only used to make a plan; a plan was given.")
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner
+    from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
+
+    if sharders is None:
+        sharders = _default_sharders(fused_params)
+    if plan is None:
+        world_size = dist.get_world_size()
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        topology = TopologyFactory.create_topology(
+            TrainerConfig(world_size=world_size, local_world_size=local_world_size),
+            kernel_config=KernelConfig(compute_device=device.type),
+        )
+        planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
+        plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+    logger.info("Sharding the model with plan:\n%s", plan)
+    return DistributedModelParallel(module=model, device=device, plan=plan, sharders=sharders)
+
+
+def _assemble(shape: torch.Size, pieces: list[tuple[int, int, torch.Tensor]]) -> torch.Tensor:
+    dtype = pieces[0][2].dtype if pieces else torch.float32
+    full = torch.zeros(shape, dtype=dtype)
+    for row, col, piece in pieces:
+        index = [slice(row, row + piece.shape[0])] if piece.dim() else []
+        if piece.dim() > 1:
+            index.append(slice(col, col + piece.shape[1]))
+        full[tuple(index)] = piece.cpu()
+    return full
+
+
+def _gather_shards_to_rank0(info: ShardInfo) -> list[tuple[int, int, torch.Tensor]] | None:
+    """Gather every rank's pieces to rank 0 with one object all-gather and one tensor gather."""
+    rank, world_size = rank_and_world_size()
+    shards = info.shards if info.counted else []
+    dtype = shards[0].tensor.dtype if shards else torch.float32
+    wire = torch.float64 if dtype == torch.float64 or not dtype.is_floating_point else torch.float32
+    meta = [(s.row_offset, s.col_offset, tuple(s.tensor.shape), s.tensor.dtype) for s in shards]
+    metas: list[Any] = [None] * world_size
+    dist.all_gather_object(metas, meta)
+    lengths = [sum(int(torch.Size(m[2]).numel()) for m in ms) for ms in metas]
+    device = collective_device()
+    flat = torch.zeros(max(lengths), dtype=wire, device=device)
+    if shards:
+        local = torch.cat([s.tensor.reshape(-1).to(device=device, dtype=wire) for s in shards])
+        flat[: local.numel()] = local
+    buffers = [torch.empty_like(flat) for _ in range(world_size)] if rank == 0 else None
+    dist.gather(flat, buffers, dst=0)
+    if rank != 0:
+        return None
+    pieces = []
+    for ms, buffer in zip(metas, buffers, strict=True):
+        start = 0
+        for row, col, shape, piece_dtype in ms:
+            n = int(torch.Size(shape).numel())
+            pieces.append((row, col, buffer[start : start + n].view(shape).to(piece_dtype)))
+            start += n
+    return pieces
+
+
+def log_sharded_tensor_content(
+    weight_name: str,
+    table_name: str,
+    weight_tensor: torch.Tensor,
+    max_rows: int = 1_000_000,
+) -> torch.Tensor | None:
+    """Gather a whole (possibly sharded) table to rank 0 and log it.
+
+    Collective when ``weight_tensor`` is sharded: every rank must call it. Works on any number of
+    ranks, on CPU (gloo) and GPU (NCCL); the result is on the CPU.
+
+    Args:
+        weight_name: Name of the weight in the model (for the log).
+        table_name: Name of the embedding table (for the log).
+        weight_tensor: Plain tensor, ``ShardedTensor`` or ``DTensor`` (see :func:`shard_info`).
+        max_rows: Refuse tables with more rows than this; raise it to gather a bigger table.
+
+    Returns:
+        The whole table on rank 0; None on the other ranks.
+
+    Raises:
+        ValueError: When the table has more than ``max_rows`` rows (on every rank, before any
+            communication).
+    """
+    info = shard_info(weight_tensor)
+    shape = info.global_shape
+    rows = shape[0] if len(shape) else 1
+    if rows > max_rows:
+        cols = shape[1] if len(shape) > 1 else 1
+        raise ValueError(
+            f"{weight_name} (table {table_name}) has {rows} rows x {cols} columns "
+            f"({shape.numel()} values), more than max_rows={max_rows}; "
+            "pass a larger max_rows to gather it anyway."
+        )
+    rank, world_size = rank_and_world_size()
+    pieces = [(s.row_offset, s.col_offset, s.tensor) for s in info.shards]
+    if world_size > 1 and not info.replicated:
+        pieces = _gather_shards_to_rank0(info)
+    if rank != 0 or pieces is None:
+        return None
+    full = _assemble(shape, pieces)
+    logger.info("%s (table %s), shape %s:\n%s", weight_name, table_name, tuple(shape), full)
+    return full

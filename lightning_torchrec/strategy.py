@@ -1,0 +1,387 @@
+"""``TorchRecStrategy``: Lightning training with TorchRec's ``DistributedModelParallel``."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import lightning as L
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_torchrec.checkpoint import load_sharded, save_sharded
+from lightning_torchrec.optim import DenseAndFusedOptimizer, combine_optimizers
+from lightning_torchrec.planning import (
+    PlanSummary,
+    check_constraints_for_device,
+    check_plan,
+    default_sharders,
+    has_fused_tables,
+    make_topology,
+    summarize_plan,
+)
+
+if TYPE_CHECKING:
+    from torchrec.distributed.model_parallel import DataParallelWrapper, DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.distributed.types import ModuleSharder, ShardingPlan
+
+log = logging.getLogger(__name__)
+
+
+class TorchRecStrategy(DDPStrategy):
+    """Trains any LightningModule holding TorchRec embedding modules with sharded tables.
+
+    One process per device (gloo on CPU, nccl on CUDA; Lightning's launcher, ``torchrun`` and
+    SLURM all work). At setup it plans with TorchRec's ``EmbeddingShardingPlanner`` on rank 0
+    (one plan for all ranks), wraps the LightningModule in ``DistributedModelParallel`` (tables
+    built on the meta device are materialised only as shards; DMP data-parallelises the dense
+    part), and combines the fused embedding optimizer with the dense optimizer from
+    ``configure_optimizers``. Checkpoints are sharded ``torch.distributed.checkpoint``
+    directories: every rank writes its own shards.
+
+    Args:
+        sharders: TorchRec sharders; defaults to EBC and EC sharders with ``fused_params``.
+        plan: an explicit ``ShardingPlan`` (skips the planner).
+        constraints: per-table ``ParameterConstraints`` for the planner.
+        fused_params: fused embedding optimizer settings (``optimizer``, ``learning_rate``, ...);
+            defaults to row-wise Adagrad, lr 0.01. Give either this or ``sharders``.
+        planner: a planner to use instead of the default one.
+        data_parallel_wrapper: how DMP wraps the dense part (e.g. to find unused parameters).
+        allow_fused_gradient_accumulation: fused tables update at every backward, so
+            ``accumulate_grad_batches > 1`` does not accumulate them; set True to accept that.
+        log_plan: print the plan at start and write it to the loggers.
+        accelerator: see ``DDPStrategy``.
+        parallel_devices: see ``DDPStrategy``.
+        cluster_environment: see ``DDPStrategy``.
+        checkpoint_io: see ``DDPStrategy`` (unused for sharded checkpoints).
+        precision_plugin: see ``DDPStrategy``.
+        process_group_backend: ``"gloo"``/``"nccl"``; defaults to the device's.
+        timeout: collective timeout.
+        start_method: ``"popen"`` (scripts), ``"spawn"`` or ``"fork"`` (notebooks).
+
+    Raises:
+        ValueError: if both ``sharders`` and ``fused_params`` are given.
+    """
+
+    strategy_name = "torchrec"
+
+    def __init__(
+        self,
+        sharders: list[ModuleSharder[torch.nn.Module]] | None = None,
+        plan: ShardingPlan | None = None,
+        constraints: dict[str, ParameterConstraints] | None = None,
+        fused_params: dict[str, Any] | None = None,
+        planner: EmbeddingShardingPlanner | None = None,
+        data_parallel_wrapper: DataParallelWrapper | None = None,
+        allow_fused_gradient_accumulation: bool = False,
+        log_plan: bool = True,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        if sharders is not None and fused_params is not None:
+            raise ValueError(
+                "Pass `fused_params` to your sharders (e.g. "
+                "EmbeddingBagCollectionSharder(fused_params=...)) or pass no sharders; "
+                "TorchRecStrategy cannot apply `fused_params` to sharders it did not build."
+            )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self._sharders = sharders
+        self._plan = plan
+        self._constraints = constraints
+        self._fused_params = fused_params
+        self._planner = planner
+        self._data_parallel_wrapper = data_parallel_wrapper
+        self.allow_fused_gradient_accumulation = allow_fused_gradient_accumulation
+        self.log_plan = log_plan
+        self._dmp: DistributedModelParallel | None = None
+        self._sharded_module: L.LightningModule | None = None
+        self.plan_summary: PlanSummary | None = None
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def sharding_plan(self) -> ShardingPlan | None:
+        """The plan in use (None before setup unless one was given)."""
+        return self._plan
+
+    @property
+    def dmp(self) -> DistributedModelParallel | None:
+        """The ``DistributedModelParallel`` wrapping the LightningModule, after setup."""
+        return self._dmp
+
+    @property
+    def compute_device(self) -> str:
+        """``"cuda"`` or ``"cpu"``: what the planner plans for."""
+        return "cuda" if self.root_device.type == "cuda" else "cpu"
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup(self, trainer: L.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self._check_precision()
+        if self._dmp is None or self._sharded_module is not self.lightning_module:
+            self._shard(trainer)
+        assert self._dmp is not None
+        self.model = self._dmp
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._check_fit_config(trainer)
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    @override
+    def model_to_device(self) -> None:
+        # DistributedModelParallel places shards and dense modules itself; moving the unsharded
+        # module would fail on meta tables or copy every table to one device.
+        pass
+
+    def _check_precision(self) -> None:
+        pp = self.precision_plugin
+        if isinstance(pp, (HalfPrecision, DoublePrecision)):
+            raise ValueError(
+                f"precision={pp.precision!r} converts the whole model, but TorchRec's embedding "
+                "kernels keep fp32 tables and return fp32 embeddings. Use precision='bf16-mixed' "
+                "(or '32-true'); set the table dtype with EmbeddingBagConfig(data_type=...)."
+            )
+
+    def _check_fused_config(self, trainer: L.Trainer) -> None:
+        pp = self.precision_plugin
+        if isinstance(pp, MixedPrecision) and pp.scaler is not None:
+            raise ValueError(
+                "precision='16-mixed' uses a gradient scaler, but fused embedding tables update "
+                "inside the backward pass with the *scaled* gradients, so they would diverge. Use "
+                "precision='bf16-mixed', or shard tables with a non-fused compute kernel."
+            )
+
+    def _check_fit_config(self, trainer: L.Trainer) -> None:
+        if self._plan is None or not has_fused_tables(self._plan):
+            return
+        self._check_fused_config(trainer)
+        if trainer.accumulate_grad_batches > 1 and not self.allow_fused_gradient_accumulation:
+            raise ValueError(
+                f"accumulate_grad_batches={trainer.accumulate_grad_batches} does not apply to "
+                "fused embedding tables: they update at every backward pass. Use a larger batch, "
+                "or pass TorchRecStrategy(allow_fused_gradient_accumulation=True) to accumulate "
+                "only the dense gradients."
+            )
+        if trainer.gradient_clip_val:
+            rank_zero_warn(
+                "Gradient clipping reaches the dense parameters only: fused embedding tables "
+                "update inside the backward pass before clipping could see their gradients."
+            )
+
+    def _shard(self, trainer: L.Trainer) -> None:
+        import torch.distributed as dist
+        from torchrec.distributed.model_parallel import DistributedModelParallel
+        from torchrec.distributed.planner import EmbeddingShardingPlanner
+        from torchrec.distributed.types import ShardingEnv
+
+        module = self.lightning_module
+        assert module is not None
+        if not dist.is_initialized():
+            raise RuntimeError("TorchRecStrategy needs the process group; setup_environment runs first")
+        pg = dist.group.WORLD
+        check_constraints_for_device(self._constraints, self.compute_device)
+        sharders = self._sharders or default_sharders(self._fused_params)
+        if self._plan is None:
+            planner = self._planner or EmbeddingShardingPlanner(
+                topology=make_topology(self.world_size, self.num_processes, self.compute_device),
+                constraints=self._constraints,
+            )
+            self._plan = planner.collective_plan(module, sharders, pg)
+        check_plan(self._plan, self.world_size, self.compute_device)
+        if trainer.state.fn == TrainerFn.FITTING and has_fused_tables(self._plan):
+            self._check_fused_config(trainer)
+        self.plan_summary = summarize_plan(module, self._plan, self.world_size)
+        if self.log_plan:
+            self._log_plan(trainer, self.plan_summary)
+        self._dmp = DistributedModelParallel(
+            module,
+            env=ShardingEnv.from_process_group(pg),
+            device=self.root_device,
+            plan=self._plan,
+            sharders=sharders,
+            data_parallel_wrapper=self._data_parallel_wrapper,
+        )
+        self._sharded_module = module
+
+    def _log_plan(self, trainer: L.Trainer, summary: PlanSummary) -> None:
+        if not self.is_global_zero:
+            return
+        text = summary.to_markdown()
+        rank_zero_info(f"TorchRec sharding plan ({self.world_size} ranks):\n{text}")
+        for logger in trainer.loggers:
+            experiment = getattr(logger, "experiment", None)
+            if hasattr(experiment, "add_text"):
+                experiment.add_text("torchrec/sharding_plan", text, global_step=0)
+            log_dir = getattr(logger, "log_dir", None)
+            if log_dir:
+                Path(log_dir).mkdir(parents=True, exist_ok=True)
+                (Path(log_dir) / "sharding_plan.md").write_text(text + "\n")
+
+    @override
+    def setup_optimizers(self, trainer: L.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        module = self.lightning_module
+        assert module is not None
+        if not self.optimizers:
+            return
+        first = self.optimizers[0]
+        combined = combine_optimizers(first, module)
+        if combined is not first:
+            if any(cfg.scheduler.optimizer is first for cfg in self.lr_scheduler_configs):
+                rank_zero_warn(
+                    "The LR scheduler from `configure_optimizers` drives the dense optimizer "
+                    "only; the fused embedding learning rate stays constant. Build the scheduler "
+                    "on `lightning_torchrec.combine_optimizers(dense_optimizer, self)` to "
+                    "schedule both."
+                )
+            self.optimizers = [combined, *self.optimizers[1:]]
+
+    # ------------------------------------------------------------------ steps
+    def _push_fused_lr(self) -> None:
+        for opt in self.optimizers:
+            if isinstance(opt, DenseAndFusedOptimizer):
+                opt.push_fused_lr()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        # The fused kernels read the LR during backward; a scheduler's change made after the
+        # last step must reach them before this forward (and the first step after a resume).
+        self._push_fused_lr()
+        return super().training_step(*args, **kwargs)
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        return self.lightning_module.state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        # The keyed optimizer itself is saved by `save_checkpoint`; Lightning only needs a
+        # placeholder in its list.
+        return {}
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError("TorchRecStrategy.save_checkpoint does not take storage_options")
+        path = Path(self.broadcast(str(filepath)))
+        checkpoint = dict(checkpoint)
+        checkpoint.pop("state_dict", None)
+        has_optim = bool(checkpoint.pop("optimizer_states", None))
+        optimizers = [self._keyed(o) for o in self.optimizers] if has_optim else []
+        assert self.lightning_module is not None
+        save_sharded(path, self.lightning_module, optimizers, checkpoint)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        assert self.lightning_module is not None
+        optimizers = [self._keyed(o) for o in self.optimizers]
+        meta = load_sharded(
+            path,
+            self.lightning_module,
+            optimizers,
+            weights_only=True if weights_only is None else weights_only,
+        )
+        self._push_fused_lr()
+        return meta
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        # Loaded in place by `load_checkpoint`.
+        pass
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        # Loaded in place by `load_checkpoint`.
+        pass
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        import shutil
+
+        if self.is_global_zero:
+            path = Path(filepath)
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+
+    @staticmethod
+    def _keyed(optimizer: Any) -> Any:
+        from lightning.pytorch.core.optimizer import LightningOptimizer
+        from torchrec.optim.keyed import KeyedOptimizer
+
+        opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        if not isinstance(opt, KeyedOptimizer):
+            raise TypeError(
+                f"TorchRecStrategy checkpoints keyed optimizers; got {type(opt).__name__}. "
+                "Return the optimizer from `combine_optimizers(...)` in configure_optimizers."
+            )
+        return opt
+
+    # ------------------------------------------------------------------ teardown
+    @override
+    def teardown(self) -> None:
+        # Keep the sharded model: a later trainer.validate/test/predict reuses it. Lightning's
+        # default would move every table to CPU (and fails on meta tables after an early error).
+        self.precision_plugin.teardown()
+        assert self.accelerator is not None
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name, start_method in (
+            ("torchrec", "popen"),
+            ("torchrec_spawn", "spawn"),
+            ("torchrec_fork", "fork"),
+            ("torchrec_notebook", "fork"),
+        ):
+            strategy_registry.register(
+                name,
+                cls,
+                description=f"TorchRec sharded training with start_method '{start_method}'",
+                start_method=start_method,
+                override=True,
+            )
+
