@@ -185,7 +185,7 @@ def _load_hyper_params(path: Path, index: int, optimizer: KeyedOptimizer) -> Non
         # Another plan or world size: groups do not line up one to one. Hyper-parameters are
         # the same for every group of one optimizer type, so apply the first saved group.
         groups = [groups[0]] * len(current) if groups else []
-    for group, values in zip(current, groups):
+    for group, values in zip(current, groups, strict=True):
         for k, v in values.items():
             if k in group:
                 group[k] = v

@@ -1,4 +1,4 @@
-"""The main job: DLRM on learnable synthetic click data, sharded over 2 CPU processes.
+r"""The main job: DLRM on learnable synthetic click data, sharded over 2 CPU processes.
 
 Run ``python -m lightning_torchrec.demo fit`` (what ``make demo`` does). Every setting can be
 changed from the command line, LightningCLI style, e.g.::
@@ -24,9 +24,12 @@ from lightning_torchrec.models import DLRMClickModule
 TRAINER_DEFAULTS: dict[str, Any] = {
     "accelerator": "cpu",
     "devices": 2,
-    "strategy": "torchrec",
-    "max_steps": 300,
-    "val_check_interval": 100,
+    "strategy": {
+        "class_path": "lightning_torchrec.TorchRecStrategy",
+        "init_args": {"fused_params": {"learning_rate": 0.1}},
+    },
+    "max_steps": 1000,
+    "val_check_interval": 250,
     "limit_val_batches": 20,
     "log_every_n_steps": 10,
     "default_root_dir": "runs/demo",
@@ -48,11 +51,17 @@ class DemoCLI(LightningCLI):
             parser: the CLI's parser.
         """
         parser.link_arguments(
-            "data.num_embeddings_per_feature", "model.num_embeddings_per_feature",
+            "data.num_embeddings_per_feature",
+            "model.num_embeddings_per_feature",
             apply_on="instantiate",
         )
         parser.link_arguments(
             "data.num_dense_features", "model.num_dense_features", apply_on="instantiate"
+        )
+        # Tables small enough that the hidden interactions are learnt within the demo's steps;
+        # raise --data.num_embeddings to see sharding of larger tables.
+        parser.set_defaults(
+            {"data.num_embeddings": 200, "data.ids_per_feature": 2, "data.train_batches": 4000}
         )
 
 

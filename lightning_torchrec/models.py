@@ -5,18 +5,26 @@ from __future__ import annotations
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torchrec.models.dlrm import DLRM
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from lightning_torchrec.module import ModelAndLoss, TorchRecModule, _default_optimizer
 
 
-def dlrm_tables(num_embeddings_per_feature: list[int], embedding_dim: int) -> list[EmbeddingBagConfig]:
+def dlrm_tables(
+    num_embeddings_per_feature: list[int],
+    embedding_dim: int,
+    pooling: str = "mean",
+    init_scale: float | None = None,
+) -> list[EmbeddingBagConfig]:
     """One table ``t_cat_i`` per sparse feature ``cat_i``.
 
     Args:
         num_embeddings_per_feature: rows per table.
         embedding_dim: width of every table.
+        pooling: ``"sum"`` or ``"mean"`` of the ids of a bag.
+        init_scale: rows start uniform in ``[-init_scale, init_scale]``; None keeps TorchRec's
+            ``sqrt(1 / rows)``, which is tiny for large tables and slows learning interactions.
 
     Returns:
         The table configs.
@@ -27,6 +35,9 @@ def dlrm_tables(num_embeddings_per_feature: list[int], embedding_dim: int) -> li
             embedding_dim=embedding_dim,
             num_embeddings=rows,
             feature_names=[f"cat_{i}"],
+            pooling=PoolingType[pooling.upper()],
+            weight_init_min=None if init_scale is None else -init_scale,
+            weight_init_max=init_scale,
         )
         for i, rows in enumerate(num_embeddings_per_feature)
     ]
@@ -44,6 +55,8 @@ class DLRMClickModule(TorchRecModule):
         embedding_dim: width of every table (the last dense layer has this width).
         dense_arch_layer_sizes: bottom MLP sizes; the last must equal ``embedding_dim``.
         over_arch_layer_sizes: top MLP sizes; the last must be 1.
+        pooling: how a bag of ids is pooled, ``"sum"`` or ``"mean"``.
+        embedding_init_scale: rows start uniform in ``[-s, s]`` (None: TorchRec's default).
         optimizer: builds the dense optimizer.
         lr_scheduler: builds the LR scheduler (drives the fused embedding LR too), or None.
 
@@ -58,6 +71,8 @@ class DLRMClickModule(TorchRecModule):
         embedding_dim: int = 16,
         dense_arch_layer_sizes: list[int] | None = None,
         over_arch_layer_sizes: list[int] | None = None,
+        pooling: str = "mean",
+        embedding_init_scale: float | None = 0.1,
         optimizer: OptimizerCallable = _default_optimizer,
         lr_scheduler: LRSchedulerCallable | None = None,
     ) -> None:
@@ -71,7 +86,9 @@ class DLRMClickModule(TorchRecModule):
         if over_sizes[-1] != 1:
             raise ValueError(f"over_arch_layer_sizes must end with 1, got {over_sizes}")
         ebc = EmbeddingBagCollection(
-            tables=dlrm_tables(num_embeddings_per_feature, embedding_dim),
+            tables=dlrm_tables(
+                num_embeddings_per_feature, embedding_dim, pooling, embedding_init_scale
+            ),
             device=torch.device("meta"),
         )
         dlrm = DLRM(

@@ -38,16 +38,44 @@ def default_fused_params() -> dict[str, Any]:
     return {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.01, "eps": 1e-8}
 
 
+def resolve_fused_params(fused_params: dict[str, Any] | None) -> dict[str, Any]:
+    """User fused params over the defaults; ``optimizer`` may be given by name.
+
+    Args:
+        fused_params: e.g. ``{"learning_rate": 0.1}`` or
+            ``{"optimizer": "exact_rowwise_adagrad", "learning_rate": 0.1}``.
+
+    Returns:
+        Complete fused params.
+
+    Raises:
+        ValueError: for an unknown optimizer name, listing the known ones.
+    """
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    params = {**default_fused_params(), **(fused_params or {})}
+    opt = params["optimizer"]
+    if isinstance(opt, str):
+        by_name = {o.value: o for o in EmbOptimType} | {o.name.lower(): o for o in EmbOptimType}
+        if opt.lower() not in by_name:
+            raise ValueError(
+                f"Unknown fused optimizer {opt!r}; known: {sorted(o.value for o in EmbOptimType)}"
+            )
+        params["optimizer"] = by_name[opt.lower()]
+    return params
+
+
 def default_sharders(fused_params: dict[str, Any] | None) -> list[ModuleSharder[nn.Module]]:
     """Sharders for ``EmbeddingBagCollection`` and ``EmbeddingCollection`` with fused params.
 
     Args:
-        fused_params: fused optimizer settings (``optimizer``, ``learning_rate``, ...).
+        fused_params: fused optimizer settings (``optimizer``, ``learning_rate``, ...), merged
+            over :func:`default_fused_params`.
 
     Returns:
         The sharders.
     """
-    params = default_fused_params() if fused_params is None else dict(fused_params)
+    params = resolve_fused_params(fused_params)
     return [
         EmbeddingBagCollectionSharder(fused_params=params),  # type: ignore[list-item]
         EmbeddingCollectionSharder(fused_params=params),  # type: ignore[list-item]
@@ -105,6 +133,51 @@ def check_constraints_for_device(
                 "table_column_wise or data_parallel, e.g. "
                 "ParameterConstraints(sharding_types=['table_wise'])."
             )
+
+
+def embedding_table_names(model: nn.Module) -> list[str]:
+    """Names of every table of the TorchRec embedding modules in ``model`` (unsharded).
+
+    Args:
+        model: a model holding ``EmbeddingBagCollection``/``EmbeddingCollection`` modules.
+
+    Returns:
+        The table names, in module order.
+    """
+    names: list[str] = []
+    for module in model.modules():
+        getter = getattr(module, "embedding_bag_configs", None) or getattr(
+            module, "embedding_configs", None
+        )
+        if callable(getter):
+            names.extend(c.name for c in getter())
+    return names
+
+
+def check_constraints_match_model(
+    constraints: dict[str, ParameterConstraints] | None, model: nn.Module
+) -> None:
+    """Refuses constraints for tables the model does not have (the planner ignores them).
+
+    Args:
+        constraints: per-table planner constraints.
+        model: the unsharded model.
+
+    Raises:
+        ValueError: naming the unknown tables and the closest existing ones.
+    """
+    if not constraints:
+        return
+    import difflib
+
+    tables = embedding_table_names(model)
+    unknown = sorted(set(constraints) - set(tables))
+    if unknown:
+        hints = {u: difflib.get_close_matches(u, tables, n=3) for u in unknown}
+        raise ValueError(
+            f"`constraints` name tables the model does not have: {unknown} "
+            f"(closest: {hints}). The model's tables are {tables}."
+        )
 
 
 def check_plan(plan: ShardingPlan, world_size: int, compute_device: str) -> None:

@@ -1,19 +1,11 @@
 """The one place that knows how tensors are laid out over ranks.
 
-A parameter or state-dict value seen on one rank can be:
-
-* a plain :class:`torch.Tensor` (dense parameters, data-parallel embedding tables, any tensor of
-  a single-process run): every rank holds all of it, so it is *replicated*;
-* a :class:`~torch.distributed._shard.sharded_tensor.ShardedTensor` (TorchRec's model-parallel
-  tables): this rank holds zero, one or several pieces of a larger table;
-* a :class:`~torch.distributed.tensor.DTensor`, either a regular one or TorchRec's
-  (``output_dtensor``) whose local tensor is a ``LocalShardsWrapper`` listing its pieces;
-* TorchRec's ``TableBatchedEmbeddingSlice``, the view of a fused table that
-  ``named_parameters()`` returns. It carries no global metadata, so it is treated like a plain
-  (replicated) tensor: pass the ShardedTensor of a sharded table instead.
-
-:func:`shard_info` turns any of them into a :class:`ShardInfo`; everything else in the package
-that needs shard shapes goes through it.
+:func:`shard_info` describes what this rank holds of: a plain tensor (dense parameters,
+data-parallel tables: *replicated*, every rank holds all of it); a ``ShardedTensor`` (TorchRec's
+model-parallel tables: zero, one or several pieces per rank); a ``DTensor`` (regular, or TorchRec's
+``output_dtensor`` one whose local tensor is a ``LocalShardsWrapper``); TorchRec's
+``TableBatchedEmbeddingSlice`` (the local view ``named_parameters()`` gives of a fused table; it has
+no global metadata, so it counts as a plain tensor: use the ShardedTensor of a sharded table).
 """
 
 from __future__ import annotations
@@ -28,7 +20,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 logger = logging.getLogger(__name__)
@@ -54,11 +45,9 @@ class ShardInfo(NamedTuple):
     Attributes:
         shards: The non-empty pieces held by this rank (empty when it holds none).
         global_shape: Shape of the whole tensor.
-        replicated: True when every rank holds the whole tensor (plain tensors): reduce it
-            locally, never add it up across ranks.
-        counted: For a sharded tensor, whether this rank's pieces take part in cross-rank sums.
-            False only on ranks that hold a replica of another rank's pieces (e.g. the non-first
-            replica groups of a 2D-parallel layout), so that nothing is counted twice.
+        replicated: Every rank holds the whole tensor: reduce it locally, never across ranks.
+        counted: Whether this rank's pieces of a sharded tensor enter cross-rank sums; False
+            on replicas of other ranks' pieces (2D-parallel replica groups but the first).
     """
 
     shards: list[LocalShard]
@@ -84,25 +73,20 @@ def collective_device() -> torch.device:
     Returns:
         The current CUDA device when the default backend is NCCL, else the CPU.
     """
-    if dist.is_available() and dist.is_initialized():
-        if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
+    nccl = dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend())
+    if nccl and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
 def _offsets(offsets: Sequence[int]) -> tuple[int, int]:
-    offsets = [int(o) for o in offsets]
-    return (offsets[0] if offsets else 0), (offsets[1] if len(offsets) > 1 else 0)
-
-
-def _plain(tensor: torch.Tensor) -> torch.Tensor:
-    # detach() of a TableBatchedEmbeddingSlice (or any Parameter) is a plain Tensor view.
-    return tensor.detach()
+    padded = [int(o) for o in offsets[:2]] + [0, 0]
+    return padded[0], padded[1]
 
 
 def _sharded_tensor_info(tensor: ShardedTensor) -> ShardInfo:
     shards = [
-        LocalShard(_plain(s.tensor), *_offsets(s.metadata.shard_offsets))
+        LocalShard(s.tensor.detach(), *_offsets(s.metadata.shard_offsets))
         for s in tensor.local_shards()
         if s.tensor.numel() > 0
     ]
@@ -123,12 +107,12 @@ def _dtensor_info(tensor: DTensor) -> ShardInfo:
     if coordinate is None:  # this rank is not part of the mesh
         return ShardInfo([], tensor.shape, replicated=False, counted=False)
     local = tensor._local_tensor
-    if isinstance(local, LocalShardsWrapper):
-        # TorchRec's layout: the pieces are listed explicitly and the placements say nothing
-        # reliable (a table-wise table reads as Replicate() yet lives on one rank). Its 2D mesh is
-        # (replica, shard): count only the first replica group.
+    if hasattr(local, "local_shards") and hasattr(local, "local_offsets"):
+        # A LocalShardsWrapper (torch's or TorchRec's) lists the pieces; placements say nothing
+        # reliable (a table-wise table reads Replicate() yet lives on one rank). TorchRec's 2D
+        # mesh is (replica, shard): count only the first replica group.
         shards = [
-            LocalShard(_plain(t), *_offsets(o))
+            LocalShard(t.detach(), *_offsets(o))
             for t, o in zip(local.local_shards(), local.local_offsets(), strict=False)
             if t.numel() > 0
         ]
@@ -136,7 +120,7 @@ def _dtensor_info(tensor: DTensor) -> ShardInfo:
         return ShardInfo(shards, tensor.shape, replicated=False, counted=counted)
     replicated = all(p.is_replicate() for p in placements)
     _, offset = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
-    shards = [LocalShard(_plain(local), *_offsets(offset))] if local.numel() > 0 else []
+    shards = [LocalShard(local.detach(), *_offsets(offset))] if local.numel() > 0 else []
     counted = all(c == 0 for c, p in zip(coordinate, placements, strict=True) if p.is_replicate())
     return ShardInfo(shards, tensor.shape, replicated=replicated, counted=counted)
 
@@ -158,7 +142,8 @@ def shard_info(tensor: torch.Tensor) -> ShardInfo:
         return _sharded_tensor_info(tensor)
     if isinstance(tensor, DTensor):
         return _dtensor_info(tensor)
-    shards = [LocalShard(_plain(tensor), 0, 0)] if tensor.numel() > 0 else []
+    # detach() of a TableBatchedEmbeddingSlice (a Parameter) is a plain Tensor view.
+    shards = [LocalShard(tensor.detach(), 0, 0)] if tensor.numel() > 0 else []
     return ShardInfo(shards, tensor.shape, replicated=True, counted=True)
 
 
@@ -174,29 +159,70 @@ def local_shards(tensor: torch.Tensor) -> list[LocalShard]:
     return shard_info(tensor).shards
 
 
-def global_shape(tensor: torch.Tensor) -> torch.Size:
-    """Return the shape of the whole (unsharded) tensor.
+def _sample_positions(n: int, k: int, generator: torch.Generator) -> torch.Tensor:
+    """``k`` distinct positions in ``[0, n)``, uniform without replacement, sorted; O(k) memory."""
+    if k >= n:
+        return torch.arange(n)
+    if n <= 4 * k:
+        return torch.randperm(n, generator=generator)[:k].sort().values
+    chosen = torch.zeros(0, dtype=torch.long)
+    while chosen.numel() < k:  # distinct values of uniform draws: a uniform subset (symmetry)
+        draws = torch.randint(n, (2 * (k - chosen.numel()) + 16,), generator=generator)
+        chosen = torch.unique(torch.cat([chosen, draws]))
+    keep = torch.randperm(chosen.numel(), generator=generator)[:k]
+    return chosen[keep].sort().values
+
+
+def sampled_row_norms(
+    shards: list[LocalShard], sample_size: int, generator: torch.Generator
+) -> tuple[torch.Tensor, int]:
+    """L2 norms of a uniform sample (without replacement) of this rank's rows of a 2-D table.
+
+    A row's norm combines every local shard holding that row (the columns held on this rank).
+    Only the sampled rows are read (``index_select``) unless all rows of a shard are sampled.
 
     Args:
-        tensor: Any tensor accepted by :func:`shard_info`.
+        shards: This rank's shards of one table (see :func:`local_shards`).
+        sample_size: Most rows to sample.
+        generator: CPU generator the sample is drawn with.
 
     Returns:
-        The global shape.
+        The norms (float64, sorted by row) and the number of distinct local rows.
+
+    Raises:
+        ValueError: When a shard is not 2-D.
     """
-    return shard_info(tensor).global_shape
-
-
-def is_replicated(tensor: torch.Tensor) -> bool:
-    """Return whether every rank holds the whole of ``tensor``.
-
-    Args:
-        tensor: Any tensor accepted by :func:`shard_info`.
-
-    Returns:
-        True for plain tensors (dense parameters, data-parallel tables) and fully replicated
-        DTensors.
-    """
-    return shard_info(tensor).replicated
+    if any(s.tensor.dim() != 2 for s in shards):
+        raise ValueError("Row norms need 2-D embedding tables.")
+    if not shards:
+        return torch.zeros(0, dtype=torch.float64), 0
+    spans: list[list[int]] = []  # union of the local row ranges, merged and sorted
+    for lo, hi in sorted({(s.row_offset, s.row_offset + s.tensor.shape[0]) for s in shards}):
+        if spans and lo <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], hi)
+        else:
+            spans.append([lo, hi])
+    lengths = torch.tensor([hi - lo for lo, hi in spans], dtype=torch.long)
+    n_rows = int(lengths.sum())
+    positions = _sample_positions(n_rows, min(sample_size, n_rows), generator)
+    ends = lengths.cumsum(0)
+    span = torch.searchsorted(ends, positions, right=True)
+    starts = torch.tensor([lo for lo, _ in spans], dtype=torch.long)
+    rows = positions - (ends - lengths)[span] + starts[span]  # global row ids, sorted
+    device = shards[0].tensor.device
+    squares = torch.zeros(rows.numel(), dtype=torch.float64, device=device)
+    for s in shards:
+        lo, hi = s.row_offset, s.row_offset + s.tensor.shape[0]
+        a, b = int(torch.searchsorted(rows, lo)), int(torch.searchsorted(rows, hi))
+        if a == b:
+            continue
+        block = s.tensor
+        if b - a < hi - lo:
+            block = block.index_select(0, (rows[a:b] - lo).to(block.device))
+        dtype = None if block.dtype == torch.float64 else torch.float32
+        norms = torch.linalg.vector_norm(block, dim=1, dtype=dtype)
+        squares[a:b] += norms.to(device=device, dtype=torch.float64).square()
+    return squares.sqrt(), n_rows
 
 
 def _default_sharders(fused_params: dict[str, Any] | None) -> list[Any]:
@@ -204,14 +230,13 @@ def _default_sharders(fused_params: dict[str, Any] | None) -> list[Any]:
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.sharding_plan import get_default_sharders
 
-    sharders = get_default_sharders()
     if fused_params is None:
-        return sharders
+        return get_default_sharders()
     replace = {
         EmbeddingBagCollectionSharder: EmbeddingBagCollectionSharder(fused_params=fused_params),
         EmbeddingCollectionSharder: EmbeddingCollectionSharder(fused_params=fused_params),
     }
-    return [replace.get(type(s), s) for s in sharders]
+    return [replace.get(type(s), s) for s in get_default_sharders()]
 
 
 def maybe_shard_model(
@@ -225,9 +250,8 @@ def maybe_shard_model(
 ) -> nn.Module:
     """Wrap ``model`` in ``DistributedModelParallel`` when ``torch.distributed`` is initialised.
 
-    Without a ``plan`` one is made by ``EmbeddingShardingPlanner`` over a topology of
-    ``world_size`` ranks (``LOCAL_WORLD_SIZE`` per host, default ``world_size``) on
-    ``device.type``, with ``planner.collective_plan`` so that every rank gets rank 0's plan.
+    Without ``plan``, ``EmbeddingShardingPlanner.collective_plan`` (rank 0's plan for every rank)
+    plans for ``world_size`` ranks, ``LOCAL_WORLD_SIZE`` per host, on ``device.type``.
 
     Args:
         model: The model, typically with embedding modules on the ``meta`` device.
@@ -315,10 +339,9 @@ def log_sharded_tensor_content(
     weight_tensor: torch.Tensor,
     max_rows: int = 1_000_000,
 ) -> torch.Tensor | None:
-    """Gather a whole (possibly sharded) table to rank 0 and log it.
+    """Gather a whole (possibly sharded) table to rank 0, on the CPU, and log it.
 
-    Collective when ``weight_tensor`` is sharded: every rank must call it. Works on any number of
-    ranks, on CPU (gloo) and GPU (NCCL); the result is on the CPU.
+    Collective when ``weight_tensor`` is sharded (call on every rank); any world size, gloo or NCCL.
 
     Args:
         weight_name: Name of the weight in the model (for the log).

@@ -21,6 +21,7 @@ from lightning_torchrec.optim import DenseAndFusedOptimizer, combine_optimizers
 from lightning_torchrec.planning import (
     PlanSummary,
     check_constraints_for_device,
+    check_constraints_match_model,
     check_plan,
     default_sharders,
     has_fused_tables,
@@ -212,9 +213,12 @@ class TorchRecStrategy(DDPStrategy):
         module = self.lightning_module
         assert module is not None
         if not dist.is_initialized():
-            raise RuntimeError("TorchRecStrategy needs the process group; setup_environment runs first")
+            raise RuntimeError(
+                "TorchRecStrategy needs the process group; setup_environment runs first"
+            )
         pg = dist.group.WORLD
         check_constraints_for_device(self._constraints, self.compute_device)
+        check_constraints_match_model(self._constraints, module)
         sharders = self._sharders or default_sharders(self._fused_params)
         if self._plan is None:
             planner = self._planner or EmbeddingShardingPlanner(
@@ -311,7 +315,9 @@ class TorchRecStrategy(DDPStrategy):
         save_sharded(path, self.lightning_module, optimizers, checkpoint)
 
     @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, checkpoint_path: Any, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.lightning_module is not None
         optimizers = [self._keyed(o) for o in self.optimizers]
@@ -384,4 +390,3 @@ class TorchRecStrategy(DDPStrategy):
                 start_method=start_method,
                 override=True,
             )
-

@@ -1,11 +1,12 @@
 """Learnable synthetic click data: labels follow a hidden rule over the ids and dense features.
 
 Each sparse feature ``cat_i`` draws ids from a skewed (popularity-like) distribution over its
-table. Every id has a hidden score in [-1, 1] given by an integer hash of (feature, id, seed), so
-tables of any size cost no memory. A sample's click probability is
-``sigmoid(strength * (mean id score per feature, summed and scaled) + dense @ w + bias)``.
-A model that learns good embeddings therefore reaches an AUROC well above 0.5; a model that
-learns nothing stays at 0.5.
+table. Every id has a hidden vector in [-1, 1]^k given by integer hashes of (feature, id, seed),
+so tables of any size cost no memory. With ``h_f`` the mean hidden vector of feature ``f``'s ids
+in a sample, the click probability is
+``sigmoid(strength * (sum over feature pairs of <h_f, h_g>, scaled to unit std) + dense @ w + b)``:
+pairwise interactions of pooled embeddings, exactly what DLRM's interaction layer computes.
+A model whose tables learn reaches an AUROC well above what the (weaker) dense signal allows.
 
 Batch ``i`` of a split depends only on ``(seed, split, i)``: runs are reproducible, and each rank
 reads the batches its ``DistributedSampler`` hands it (Lightning adds one automatically).
@@ -46,11 +47,12 @@ class SyntheticClickDataset(Dataset[Batch]):
         batch_size: samples per batch.
         num_dense_features: width of the dense features.
         ids_per_feature: mean number of ids per feature and sample (lengths are uniform in
-            ``[0, 2 * ids_per_feature]``).
+            ``[1, 2 * ids_per_feature - 1]``).
         seed: fixes the hidden rule and the samples.
         split: one of ``train``, ``val``, ``test``, ``predict`` (different samples, same rule).
         signal_strength: how strongly the ids drive the click probability.
         skew: ids are ``floor(rows * u ** skew)``; larger means a few ids dominate.
+        hidden_dim: width ``k`` of the hidden id vectors.
 
     Raises:
         ValueError: for empty tables, non-positive sizes or an unknown split.
@@ -67,6 +69,7 @@ class SyntheticClickDataset(Dataset[Batch]):
         split: str = "train",
         signal_strength: float = 2.0,
         skew: float = 2.0,
+        hidden_dim: int = 4,
     ) -> None:
         if split not in _SPLIT_OFFSETS:
             raise ValueError(f"split must be one of {sorted(_SPLIT_OFFSETS)}, got {split!r}")
@@ -88,6 +91,7 @@ class SyntheticClickDataset(Dataset[Batch]):
         self.split = split
         self.signal_strength = signal_strength
         self.skew = skew
+        self.hidden_dim = hidden_dim
         rule = torch.Generator().manual_seed(seed)
         # Dense features carry a weaker signal than the ids, so learning shows in the tables.
         self.dense_weights = (
@@ -98,17 +102,21 @@ class SyntheticClickDataset(Dataset[Batch]):
     def __len__(self) -> int:
         return self.num_batches
 
-    def id_scores(self, feature_index: int, ids: torch.Tensor) -> torch.Tensor:
-        """The hidden score in [-1, 1] of each id of one feature.
+    def id_vectors(self, feature_index: int, ids: torch.Tensor) -> torch.Tensor:
+        """The hidden vector in [-1, 1]^k of each id of one feature.
 
         Args:
             feature_index: which sparse feature.
-            ids: int64 ids.
+            ids: int64 ids, shape ``[n]``.
 
         Returns:
-            Float scores, shaped like ``ids``.
+            Float vectors, shape ``[n, k]``.
         """
-        return _hash_unit(ids, salt=(self.seed * 1_000_003 + feature_index * 7_919) & _MASK32)
+        base = self.seed * 1_000_003 + feature_index * 7_919
+        return torch.stack(
+            [_hash_unit(ids, salt=(base + j * 104_729) & _MASK32) for j in range(self.hidden_dim)],
+            dim=1,
+        )
 
     def __getitem__(self, index: int) -> Batch:
         if not 0 <= index < self.num_batches:
@@ -119,21 +127,23 @@ class SyntheticClickDataset(Dataset[Batch]):
         b = self.batch_size
         dense = torch.randn(b, self.num_dense_features, generator=g)
         logit = dense @ self.dense_weights + self.bias
-        lengths, values = [], []
-        id_signal = torch.zeros(b)
+        lengths, values, pooled = [], [], []
         for f, rows in enumerate(self.num_embeddings_per_feature):
-            lens = torch.randint(0, 2 * self.ids_per_feature + 1, (b,), generator=g)
+            lens = torch.randint(1, 2 * self.ids_per_feature, (b,), generator=g)
             u = torch.rand(int(lens.sum()), generator=g)
             ids = torch.clamp((rows * u.pow(self.skew)).long(), max=rows - 1)
-            scores = self.id_scores(f, ids)
             sample = torch.repeat_interleave(torch.arange(b), lens)
-            sums = torch.zeros(b).index_add_(0, sample, scores)
-            id_signal += sums / lens.clamp_min(1)
+            sums = torch.zeros(b, self.hidden_dim).index_add_(0, sample, self.id_vectors(f, ids))
+            pooled.append(sums / lens.unsqueeze(1))
             lengths.append(lens)
             values.append(ids)
-        # The mean of F scores uniform in [-1, 1] has std 1/sqrt(3F); rescale to unit std.
-        scale = math.sqrt(3.0 / max(1, len(self.num_embeddings_per_feature)))
-        logit = logit + self.signal_strength * id_signal * scale
+        h = torch.stack(pooled, dim=1)  # [B, F, k]
+        gram = h @ h.transpose(1, 2)
+        n_feat = h.shape[1]
+        pairs = torch.triu_indices(n_feat, n_feat, offset=1)
+        interaction = gram[:, pairs[0], pairs[1]].sum(dim=1)
+        if n_feat > 1:
+            logit = logit + self.signal_strength * interaction / interaction.std().clamp_min(1e-6)
         labels = torch.bernoulli(torch.sigmoid(logit), generator=g)
         kjt = KeyedJaggedTensor.from_lengths_sync(
             keys=self.feature_names,
@@ -211,7 +221,7 @@ class SyntheticClickData(L.LightningDataModule):
                 num_embeddings=rows,
                 feature_names=[name],
             )
-            for name, rows in zip(self.feature_names, self.num_embeddings_per_feature)
+            for name, rows in zip(self.feature_names, self.num_embeddings_per_feature, strict=True)
         ]
 
     def dataset(self, split: str) -> SyntheticClickDataset:

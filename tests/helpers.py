@@ -1,0 +1,75 @@
+"""Shared helpers for tests that launch real processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+_DIST_VARS = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "TORCHELASTIC_RUN_ID",
+    "SLURM_NTASKS",
+    "SLURM_JOB_ID",
+)
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The test process's environment without distributed variables an earlier test set."""
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS and not k.startswith("PL_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def run_script(
+    name: str, *args: str, timeout: float = 300, **env: str
+) -> subprocess.CompletedProcess:
+    """Runs ``tests/scripts/{name}`` (Lightning relaunches it per rank); fails with its output."""
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / name), *args],
+        cwd=ROOT,
+        env=clean_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"{name} exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}"
+            f"\n--- stderr ---\n{proc.stderr[-8000:]}"
+        )
+    return proc
+
+
+def load_ranks(out: Path, name: str, world: int = 2) -> list:
+    return [torch.load(out / f"{name}_rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def assert_same(a, b, path: str = "") -> None:
+    """Recursively equal: tensors bit for bit, lists/dicts by key."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), path
+        assert a.shape == b.shape and torch.equal(a, b), f"{path} differs"
+    elif isinstance(a, dict):
+        assert set(a) == set(b), f"{path}: keys {sorted(set(a) ^ set(b))}"
+        for k in a:
+            assert_same(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, f"{path}: {a} != {b}"

@@ -1,0 +1,157 @@
+"""A 2-rank Lightning run for the multi-process tests (run as a script; Lightning relaunches it).
+
+Phases, all in one launch to pay the process start-up once:
+1. ``trainer.validate`` before any training (shards the model; AUROC at initialisation);
+2. ``trainer.fit`` with the same trainer for ``STEPS`` steps, checkpointing every ``CKPT_EVERY``
+   steps; snapshots of each rank's local state at every save and at the end;
+3. a fresh model and trainer resume from the first checkpoint; snapshot right after restore;
+4. a fresh model and trainer run a standalone ``validate`` from the last checkpoint.
+
+Each rank writes ``{phase}_rank{r}.pt`` files into the output directory given as argv[1].
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torchrec.distributed.planner.types import ParameterConstraints
+
+from lightning_torchrec import DLRMClickModule, SyntheticClickData, TorchRecStrategy
+from lightning_torchrec.optim import DenseAndFusedOptimizer
+
+STEPS = 120
+CKPT_EVERY = 60
+OUT = Path(sys.argv[1])
+
+
+def local_view(value: Any) -> Any:
+    """Rank-local copy of a state value: ShardedTensor -> list of (offsets, shard)."""
+    if hasattr(value, "local_shards"):
+        return [
+            (tuple(s.metadata.shard_offsets), s.tensor.detach().clone())
+            for s in value.local_shards()
+        ]
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: local_view(v) for k, v in value.items()}
+    return value
+
+
+def snapshot(trainer: L.Trainer, module: L.LightningModule) -> dict[str, Any]:
+    snap: dict[str, Any] = {"model": local_view(module.state_dict()), "step": trainer.global_step}
+    if trainer.optimizers:
+        opt = trainer.optimizers[0]
+        assert isinstance(opt, DenseAndFusedOptimizer), type(opt)
+        snap["optim"] = local_view(opt.state_dict()["state"])
+        snap["lrs"] = [g["lr"] for g in opt.param_groups]
+    return snap
+
+
+class Recorder(Callback):
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+        self.aurocs: list[float] = []
+
+    def _save(self, name: str, obj: Any, trainer: L.Trainer) -> None:
+        torch.save(obj, OUT / f"{name}_rank{trainer.global_rank}.pt")
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._save(f"{self.tag}_fitstart", snapshot(trainer, pl_module), trainer)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._save(f"{self.tag}_trainstart", snapshot(trainer, pl_module), trainer)
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: Any, ckpt: dict) -> None:
+        self._save(f"{self.tag}_saved{trainer.global_step}", snapshot(trainer, pl_module), trainer)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        auroc = trainer.callback_metrics.get("val/auroc")
+        if auroc is not None and not trainer.sanity_checking:
+            self.aurocs.append(float(auroc))
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._save(f"{self.tag}_end", snapshot(trainer, pl_module), trainer)
+
+
+def make(tag: str, max_steps: int, ckpt: ModelCheckpoint | None = None):
+    data = SyntheticClickData(
+        num_embeddings=50,
+        num_sparse_features=4,
+        ids_per_feature=2,
+        batch_size=256,
+        train_batches=400,
+        val_batches=8,
+        seed=3,
+    )
+    model = DLRMClickModule(
+        data.num_embeddings_per_feature,
+        embedding_dim=8,
+        dense_arch_layer_sizes=[16, 8],
+        over_arch_layer_sizes=[16, 1],
+        optimizer=lambda p: torch.optim.Adam(p, lr=1e-2),
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=40, gamma=0.5),
+    )
+    recorder = Recorder(tag)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=TorchRecStrategy(
+            fused_params={"optimizer": _adagrad(), "learning_rate": 0.2},
+            constraints={
+                f"t_cat_{i}": ParameterConstraints(sharding_types=["table_wise"]) for i in range(4)
+            },
+        ),
+        max_steps=max_steps,
+        val_check_interval=CKPT_EVERY,
+        num_sanity_val_steps=0,
+        callbacks=[recorder] + ([ckpt] if ckpt else []),
+        enable_checkpointing=ckpt is not None,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        default_root_dir=OUT,
+    )
+    return data, model, trainer, recorder
+
+
+def _adagrad() -> Any:
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    return EmbOptimType.EXACT_ROWWISE_ADAGRAD
+
+
+def main() -> None:
+    L.seed_everything(7)
+    ckpt = ModelCheckpoint(dirpath=OUT / "ckpts", every_n_train_steps=CKPT_EVERY, save_top_k=-1)
+    data, model, trainer, recorder = make("fit", STEPS, ckpt)
+    before = trainer.validate(model, datamodule=data, verbose=False)[0]["val/auroc"]
+    trainer.fit(model, datamodule=data)
+    rank = trainer.global_rank
+    torch.save(
+        {
+            "auroc_before": before,
+            "aurocs": recorder.aurocs,
+            "plan": trainer.strategy.plan_summary,
+            "ckpts": sorted(str(p) for p in (OUT / "ckpts").iterdir()),
+        },
+        OUT / f"fit_info_rank{rank}.pt",
+    )
+    first = OUT / "ckpts" / f"epoch=0-step={CKPT_EVERY}.ckpt"
+    last = OUT / "ckpts" / f"epoch=0-step={STEPS}.ckpt"
+
+    data, model, trainer, recorder = make("resume", CKPT_EVERY + 5)
+    trainer.fit(model, datamodule=data, ckpt_path=first)
+
+    data, model, trainer, recorder = make("validate", 1)
+    auroc = trainer.validate(model, datamodule=data, ckpt_path=last, verbose=False)[0]["val/auroc"]
+    torch.save({"auroc": auroc}, OUT / f"validate_info_rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()

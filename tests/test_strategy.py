@@ -1,0 +1,263 @@
+"""Single-process (world size 1) tests of TorchRecStrategy: refusals, generic modules, LR push."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torchrec.distributed.planner.types import ParameterConstraints
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from lightning_torchrec import (
+    DenseAndFusedOptimizer,
+    DLRMClickModule,
+    SyntheticClickData,
+    TorchRecStrategy,
+    dense_parameters,
+)
+
+ROWS = 200
+TABLE_WISE = {f"t_cat_{i}": ParameterConstraints(sharding_types=["table_wise"]) for i in range(2)}
+
+
+def data() -> SyntheticClickData:
+    return SyntheticClickData(
+        num_embeddings=ROWS,
+        num_sparse_features=2,
+        batch_size=32,
+        train_batches=8,
+        val_batches=2,
+        test_batches=2,
+    )
+
+
+def dlrm(**kwargs: Any) -> DLRMClickModule:
+    return DLRMClickModule(
+        [ROWS, ROWS],
+        embedding_dim=4,
+        dense_arch_layer_sizes=[4],
+        over_arch_layer_sizes=[4, 1],
+        **kwargs,
+    )
+
+
+def trainer(strategy: Any = None, **kwargs: Any) -> L.Trainer:
+    defaults: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    defaults.update(kwargs)
+    return L.Trainer(strategy=strategy or TorchRecStrategy(constraints=TABLE_WISE), **defaults)
+
+
+def tbe_learning_rates(module: L.LightningModule) -> list[float]:
+    """The learning rate each fused kernel (TBE) will use in its next backward."""
+    from torchrec.optim.keyed import CombinedOptimizer
+
+    def walk(opt: Any) -> list[float]:
+        if isinstance(opt, CombinedOptimizer):
+            return [lr for _, o in opt.optimizers for lr in walk(o)]
+        return [opt._emb_module.get_learning_rate()]
+
+    fused = module.trainer.optimizers[0].fused
+    return walk(fused) if fused is not None else []
+
+
+def test_strategy_by_name_trains() -> None:
+    model = dlrm()
+    t = trainer(strategy="torchrec")
+    assert isinstance(t.strategy, TorchRecStrategy)
+    t.fit(model, datamodule=data())
+    assert t.global_step == 3
+    assert isinstance(t.optimizers[0], DenseAndFusedOptimizer)
+
+
+def test_row_wise_on_cpu_is_refused_naming_the_table() -> None:
+    strategy = TorchRecStrategy(
+        constraints={"t_cat_1": ParameterConstraints(sharding_types=["row_wise"])}
+    )
+    with pytest.raises(ValueError, match=r"'t_cat_1'.*needs CUDA.*table_wise"):
+        trainer(strategy).fit(dlrm(), datamodule=data())
+
+
+def test_explicit_row_wise_plan_and_plan_for_other_world_are_refused() -> None:
+    from torchrec.distributed.planner import EmbeddingShardingPlanner
+    from torchrec.distributed.planner.types import Topology
+
+    from lightning_torchrec.planning import check_plan, default_sharders
+
+    plan = EmbeddingShardingPlanner(
+        topology=Topology(world_size=2, compute_device="cuda", local_world_size=2),
+        constraints={"t_cat_0": ParameterConstraints(sharding_types=["row_wise"])},
+    ).plan(dlrm(), default_sharders(None))
+    with pytest.raises(ValueError, match=r"'t_cat_0'.*row_wise, which needs CUDA"):
+        check_plan(plan, world_size=2, compute_device="cpu")
+    with pytest.raises(ValueError, match=r"on ranks \[1\].*world has 1 ranks"):
+        check_plan(plan, world_size=1, compute_device="cuda")
+    with pytest.raises(ValueError, match="needs CUDA"):
+        trainer(TorchRecStrategy(plan=plan)).fit(dlrm(), datamodule=data())
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "16-true", "64-true"])
+def test_whole_model_precisions_are_refused(precision: str) -> None:
+    with pytest.raises(ValueError, match="bf16-mixed"):
+        trainer(precision=precision).fit(dlrm(), datamodule=data())
+
+
+def test_fp16_grad_scaler_with_fused_tables_is_refused() -> None:
+    scaler = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(ValueError, match="scaled"):
+        trainer(plugins=[scaler]).fit(dlrm(), datamodule=data())
+
+
+def test_bf16_mixed_trains() -> None:
+    t = trainer(precision="bf16-mixed")
+    t.fit(dlrm(), datamodule=data())
+    assert t.global_step == 3
+
+
+def test_gradient_accumulation_with_fused_tables_needs_opt_in() -> None:
+    with pytest.raises(ValueError, match="allow_fused_gradient_accumulation=True"):
+        trainer(accumulate_grad_batches=2).fit(dlrm(), datamodule=data())
+    strategy = TorchRecStrategy(constraints=TABLE_WISE, allow_fused_gradient_accumulation=True)
+    t = trainer(strategy, accumulate_grad_batches=2, max_steps=2)
+    t.fit(dlrm(), datamodule=data())
+    assert t.global_step == 2
+
+
+def test_sharders_and_fused_params_together_are_refused() -> None:
+    from lightning_torchrec.planning import default_sharders
+
+    with pytest.raises(ValueError, match="fused_params"):
+        TorchRecStrategy(sharders=default_sharders(None), fused_params={"learning_rate": 0.1})
+
+
+class PlainEBCModule(L.LightningModule):
+    """A user's own LightningModule: not built on TorchRecModule, plain torch optimizer."""
+
+    def __init__(self, dense_only: bool = True) -> None:
+        super().__init__()
+        self.dense_only = dense_only
+        self.ebc = EmbeddingBagCollection(
+            tables=[
+                EmbeddingBagConfig(
+                    name="item_table", embedding_dim=4, num_embeddings=ROWS, feature_names=["cat_0"]
+                ),
+                EmbeddingBagConfig(
+                    name="user_table", embedding_dim=4, num_embeddings=ROWS, feature_names=["cat_1"]
+                ),
+            ],
+            device=torch.device("meta"),
+        )
+        self.head = torch.nn.Linear(8 + 13, 1)
+        self.seen_lrs: list[tuple[float, list[float]]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt = self.trainer.optimizers[0]
+        fused_lrs = tbe_learning_rates(self)
+        self.seen_lrs.append((opt.param_groups[-1]["lr"], fused_lrs))
+        pooled = self.ebc(batch.sparse_features).values()
+        logits = self.head(torch.cat([pooled, batch.dense_features], dim=1)).squeeze(-1)
+        return torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+
+    def configure_optimizers(self) -> Any:
+        params = dense_parameters(self) if self.dense_only else self.parameters()
+        opt = torch.optim.SGD(params, lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def test_any_lightning_module_with_ebc_trains_and_gets_a_combined_optimizer() -> None:
+    model = PlainEBCModule()
+    t = trainer(
+        strategy=TorchRecStrategy(
+            constraints={
+                "item_table": ParameterConstraints(sharding_types=["table_wise"]),
+                "user_table": ParameterConstraints(sharding_types=["table_wise"]),
+            }
+        )
+    )
+    head_before = model.head.weight.detach().clone()
+    with pytest.warns(UserWarning, match="drives the dense optimizer only"):
+        t.fit(model, datamodule=data())
+    assert [kernel for _, kernel in model.seen_lrs] == [pytest.approx([0.01])] * 3
+    opt = t.optimizers[0]
+    assert isinstance(opt, DenseAndFusedOptimizer) and opt.fused is not None
+    assert not torch.equal(head_before, model.head.weight)
+    # The scheduler drove the dense LR; the fused LR stayed at the strategy's default.
+    assert opt.dense_optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
+
+
+def test_dense_optimizer_holding_tables_is_refused_naming_them() -> None:
+    strategy = TorchRecStrategy(
+        constraints={
+            "item_table": ParameterConstraints(sharding_types=["table_wise"]),
+            "user_table": ParameterConstraints(sharding_types=["table_wise"]),
+        }
+    )
+    with pytest.raises(ValueError, match=r"ebc\.embedding_bags\.item_table\.weight.*dense_param"):
+        trainer(strategy).fit(PlainEBCModule(dense_only=False), datamodule=data())
+
+
+def test_constraints_for_unknown_tables_are_refused_with_close_names() -> None:
+    strategy = TorchRecStrategy(
+        constraints={"item_tabel": ParameterConstraints(sharding_types=["table_wise"])}
+    )
+    with pytest.raises(ValueError, match=r"\['item_tabel'\].*'item_table'"):
+        trainer(strategy).fit(PlainEBCModule(), datamodule=data())
+
+
+def test_scheduled_fused_lr_reaches_the_kernel_before_each_forward() -> None:
+    class Scheduled(PlainEBCModule):
+        def configure_optimizers(self) -> Any:
+            from lightning_torchrec import combine_optimizers
+
+            opt = combine_optimizers(torch.optim.SGD(dense_parameters(self), lr=0.1), self)
+            sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    model = Scheduled()
+    t = trainer(
+        strategy=TorchRecStrategy(
+            fused_params={"learning_rate": 0.4, "optimizer": _rowwise_adagrad()},
+            constraints={
+                "item_table": ParameterConstraints(sharding_types=["table_wise"]),
+                "user_table": ParameterConstraints(sharding_types=["table_wise"]),
+            },
+        ),
+        max_steps=4,
+    )
+    t.fit(model, datamodule=data())
+    expected = [0.4, 0.2, 0.1, 0.05]
+    assert [group_lr for group_lr, _ in model.seen_lrs] == pytest.approx(expected)
+    # What the kernel uses in this step's backward equals the scheduled LR of this step.
+    assert [kernel[0] for _, kernel in model.seen_lrs] == pytest.approx(expected)
+
+
+def _rowwise_adagrad() -> Any:
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    return EmbOptimType.EXACT_ROWWISE_ADAGRAD
+
+
+def test_validate_and_predict_without_fit_shard_the_model() -> None:
+    model, dm = dlrm(), data()
+    t = trainer(limit_val_batches=2)
+    metrics = t.validate(model, datamodule=dm, verbose=False)[0]
+    assert 0.0 <= metrics["val/auroc"] <= 1.0
+    dmp = t.strategy.dmp
+    preds = t.predict(model, datamodule=dm)
+    assert t.strategy.dmp is dmp, "the model is sharded once and reused"
+    assert len(preds) == 2 and preds[0].shape == (32,)
+    assert ((preds[0] > 0) & (preds[0] < 1)).all()
