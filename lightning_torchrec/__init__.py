@@ -6,16 +6,19 @@ Importing the package registers ``Trainer(strategy="torchrec")`` (and ``"torchre
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_torchrec.callbacks import EmbeddingNormCallback, WeightNormCallback
 from lightning_torchrec.checkpoint import is_sharded_checkpoint
 from lightning_torchrec.data import Batch, SyntheticClickData
 from lightning_torchrec.models import DLRMClickModule
 from lightning_torchrec.module import ModelAndLoss, TorchRecModule, weighted_bce_with_logits
+from lightning_torchrec.norms import log_ebc_norms, weights_to_log
 from lightning_torchrec.optim import (
     DenseAndFusedOptimizer,
     combine_optimizers,
     dense_parameters,
 )
 from lightning_torchrec.planning import PlanSummary, summarize_plan
+from lightning_torchrec.sharded import log_sharded_tensor_content, maybe_shard_model
 from lightning_torchrec.strategy import TorchRecStrategy
 
 TorchRecStrategy.register_strategies(StrategyRegistry)
@@ -26,14 +29,20 @@ __all__ = [
     "Batch",
     "DLRMClickModule",
     "DenseAndFusedOptimizer",
+    "EmbeddingNormCallback",
     "ModelAndLoss",
     "PlanSummary",
     "SyntheticClickData",
     "TorchRecModule",
     "TorchRecStrategy",
+    "WeightNormCallback",
     "combine_optimizers",
     "dense_parameters",
     "is_sharded_checkpoint",
+    "log_ebc_norms",
+    "log_sharded_tensor_content",
+    "maybe_shard_model",
     "summarize_plan",
     "weighted_bce_with_logits",
+    "weights_to_log",
 ]

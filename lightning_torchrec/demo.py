@@ -18,6 +18,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 
 import lightning_torchrec  # noqa: F401  (registers strategy="torchrec")
+from lightning_torchrec.callbacks import EmbeddingNormCallback, WeightNormCallback
 from lightning_torchrec.data import SyntheticClickData
 from lightning_torchrec.models import DLRMClickModule
 
@@ -77,7 +78,14 @@ def main(args: list[str] | None = None) -> DemoCLI:
     cli = DemoCLI(
         DLRMClickModule,
         SyntheticClickData,
-        trainer_defaults={**TRAINER_DEFAULTS, "callbacks": [LearningRateMonitor("step")]},
+        trainer_defaults={
+            **TRAINER_DEFAULTS,
+            "callbacks": [
+                LearningRateMonitor("step"),
+                WeightNormCallback(),
+                EmbeddingNormCallback(),
+            ],
+        },
         save_config_kwargs={"overwrite": True},
         args=args,
     )

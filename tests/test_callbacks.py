@@ -1,0 +1,166 @@
+"""Norm callbacks in one process: cadence, loggers, errors, accumulation, validate-only runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_torchrec import EmbeddingNormCallback, TorchRecStrategy, WeightNormCallback
+from lightning_torchrec.norms import l1_norm
+from tests.test_strategy import TABLE_WISE, data, dlrm
+
+
+class RecordingLogger(Logger):
+    """Keeps every log_metrics call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[int, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.calls.append((int(step or 0), dict(metrics)))
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def steps_with(self, prefix: str) -> list[int]:
+        return [s for s, m in self.calls if any(k.startswith(prefix) for k in m)]
+
+    def last(self, prefix: str) -> dict[str, float]:
+        return [
+            {k: v for k, v in m.items() if k.startswith(prefix)}
+            for _, m in self.calls
+            if any(k.startswith(prefix) for k in m)
+        ][-1]
+
+
+def fit(callbacks: list, loggers: Any = None, **kwargs: Any) -> tuple[L.Trainer, Any]:
+    model = dlrm()
+    defaults: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=6,
+        logger=loggers if loggers is not None else [],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=callbacks,
+        strategy=TorchRecStrategy(constraints=TABLE_WISE),
+    )
+    defaults.update(kwargs)
+    trainer = L.Trainer(**defaults)
+    trainer.fit(model, datamodule=data())
+    return trainer, model
+
+
+def test_cadence_every_logger_and_exact_values() -> None:
+    a, b = RecordingLogger(), RecordingLogger()
+    _, model = fit(
+        [WeightNormCallback(every_n_steps=2), EmbeddingNormCallback(every_n_steps=3)],
+        loggers=[a, b],
+    )
+    assert a.steps_with("model/") == [2, 4, 6]
+    assert a.steps_with("embedding_norms/") == [3, 6]
+    assert a.calls == b.calls, "every attached logger gets the same points"
+    weights = a.last("model/")
+    for name, p in model.named_parameters():
+        assert weights[f"model/l2_norm/{name}"] == pytest.approx(float(p.detach().norm()), rel=1e-5)
+    tables = a.last("embedding_norms/")
+    assert set(tables) == {
+        f"embedding_norms/t_cat_{i}-norm-{s}" for i in range(2) for s in ("0", "mean")
+    }
+
+
+def test_default_cadence_follows_log_every_n_steps() -> None:
+    log = RecordingLogger()
+    fit([WeightNormCallback()], loggers=[log], log_every_n_steps=3)
+    assert log.steps_with("model/") == [3, 6]
+
+
+def test_dict_mode_and_custom_function() -> None:
+    log = RecordingLogger()
+    name = "model_and_loss.model.over_arch.model.1.bias"
+    _, model = fit([WeightNormCallback({name: l1_norm}, every_n_steps=6)], loggers=[log])
+    assert log.last("model/") == {
+        f"model/l1_norm/{name}": pytest.approx(float(model.get_parameter(name).abs().sum()))
+    }
+
+
+def test_unknown_names_fail_at_start_with_close_names() -> None:
+    with pytest.raises(KeyError, match="t_cat_1"):
+        fit([EmbeddingNormCallback(tables=["t_cat_9", "t_cat_1"][:1])], loggers=[RecordingLogger()])
+    with pytest.raises(KeyError, match="over_arch"):
+        fit(
+            [WeightNormCallback({"model_and_loss.model.over_arch.model.1.bais": l1_norm})],
+            loggers=[RecordingLogger()],
+        )
+
+
+def test_no_logger_fails_at_start() -> None:
+    with pytest.raises(MisconfigurationException, match="attach a logger"):
+        fit([EmbeddingNormCallback()], loggers=False)
+
+
+def test_bad_arguments_fail_at_construction() -> None:
+    with pytest.raises(ValueError):
+        WeightNormCallback(every_n_steps=0)
+    with pytest.raises(ValueError):
+        EmbeddingNormCallback(sample_size=0)
+    with pytest.raises(TypeError):
+        WeightNormCallback(how_to_log=3)  # type: ignore[arg-type]
+
+
+def test_gradient_accumulation_logs_each_step_once() -> None:
+    log = RecordingLogger()
+    strategy = TorchRecStrategy(constraints=TABLE_WISE, allow_fused_gradient_accumulation=True)
+    fit(
+        [WeightNormCallback(every_n_steps=1)],
+        loggers=[log],
+        strategy=strategy,
+        accumulate_grad_batches=2,
+        max_steps=3,
+    )
+    assert log.steps_with("model/") == [1, 2, 3]
+
+
+def test_fast_dev_run_works() -> None:
+    trainer, _ = fit(
+        [WeightNormCallback(), EmbeddingNormCallback()],
+        loggers=[RecordingLogger()],
+        fast_dev_run=2,
+        max_steps=-1,
+    )
+    assert trainer.global_step == 2
+
+
+def test_validation_only_run_logs_once_at_its_step() -> None:
+    log = RecordingLogger()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=[log],
+        limit_val_batches=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        strategy=TorchRecStrategy(constraints=TABLE_WISE),
+        callbacks=[WeightNormCallback(), EmbeddingNormCallback()],
+    )
+    trainer.validate(dlrm(), datamodule=data(), verbose=False)
+    assert log.steps_with("model/") == [0]
+    assert log.steps_with("embedding_norms/") == [0]
+    assert all(torch.isfinite(torch.tensor(v)) for v in log.last("embedding_norms/").values())
