@@ -31,8 +31,10 @@ from torchrec.modules.embedding_modules import (
 
 from lightning_torchrec.sharded import (
     ShardInfo,
+    _sample_positions,
     collective_device,
     rank_and_world_size,
+    row_squares,
     sampled_row_norms,
     shard_info,
 )
@@ -289,7 +291,7 @@ def log_ebc_norms(
     *,
     seed: int = 0,
 ) -> dict[str, torch.Tensor]:
-    """Mean L2 row norm of embedding tables, per rank and overall (collective: one all-gather).
+    """Mean L2 row norm of embedding tables, per rank and overall (collective on every rank).
 
     Per rank and key: the mean L2 norm of a uniform sample without replacement (deterministic
     given ``seed``) of at most ``sample_size`` LOCAL rows; only sampled rows are read. A row's norm
@@ -305,9 +307,10 @@ def log_ebc_norms(
 
     Returns:
         ``{"{key}-norm-{rank}": value}`` for every rank (-1 where that rank holds no row of the
-        table) and ``{"{key}-norm-mean": value}``: the mean over all ranks' rows, weighting each
-        rank's value by its local row count, counting replicated (data-parallel) tables once (-1
-        when no rank has rows). 0-dim float32 CPU tensors.
+        table) and ``{"{key}-norm-mean": value}``: the mean norm of WHOLE rows over a sample of
+        at most ``sample_size`` global rows that every rank agrees on (exact for any sharding:
+        the parts of a row on several ranks are combined with one all-reduce for all tables;
+        replicated tables counted once; -1 for an empty table). 0-dim float32 CPU tensors.
 
     Raises:
         ValueError: When ``sample_size < 1`` or a table is not 2-D.
@@ -338,15 +341,66 @@ def log_ebc_norms(
         gathered = [torch.empty_like(stats) for _ in range(world_size)]
         dist.all_gather(gathered, stats)
     every = torch.stack(gathered).cpu()  # (world_size, keys, 4)
-    out: dict[str, torch.Tensor] = {}
-    for i, key in enumerate(keys):
-        means, weights, replicated = every[:, i, 0], every[:, i, 1], every[:, i, 2]
-        out.update({f"{key}-norm-{r}": means[r].float() for r in range(world_size)})
-        holders = (weights > 0).nonzero().flatten()[: 1 if replicated.any() else None]
-        overall = (means[holders] * weights[holders]).sum() / weights[holders].sum()
-        out[f"{key}-norm-mean"] = overall.float() if holders.numel() else torch.tensor(-1.0)
     missing = [key for i, key in enumerate(keys) if not every[:, i, 3].any()]
     if missing:
         close = {k: difflib.get_close_matches(k, list(model_state_dict), n=3) for k in missing}
         raise KeyError(f"ebc_keys not in model_state_dict on any rank (close names): {close}")
+    out: dict[str, torch.Tensor] = {}
+    for i, key in enumerate(keys):
+        means = every[:, i, 0]
+        out.update({f"{key}-norm-{r}": means[r].float() for r in range(world_size)})
+    out.update(_global_means(model_state_dict, keys, every, sample_size, seed, device))
     return out
+
+
+def _global_means(
+    model_state_dict: Mapping[str, torch.Tensor],
+    keys: list[str],
+    every: torch.Tensor,
+    sample_size: int,
+    seed: int,
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """Mean norm of whole rows per table, over a sample of global rows all ranks agree on.
+
+    Every rank adds the squared norms of the parts of the sampled rows it holds; one all-reduce
+    (all tables together) sums them into whole-row squared norms. Exact for any sharding
+    (table-, column-, row-wise); replicated tables are computed locally, counted once.
+    """
+    out: dict[str, torch.Tensor] = {}
+    sharded: list[tuple[str, torch.Tensor]] = []
+    parts: list[torch.Tensor] = []
+    for i, key in enumerate(keys):
+        if every[:, i, 2].any() or not (dist.is_available() and dist.is_initialized()):
+            # Replicated (or a single process): this rank holds whole rows.
+            means, weights = every[:, i, 0], every[:, i, 1]
+            holder = (weights > 0).nonzero().flatten()[:1]
+            out[f"{key}-norm-mean"] = means[holder[0]].float() if holder.numel() else _NONE
+            continue
+        tensor = model_state_dict.get(key)
+        info = shard_info(tensor) if tensor is not None else None
+        n_rows = int(info.global_shape[0]) if info is not None else 0
+        n_rows = int(_max_over_ranks(n_rows, device))
+        generator = torch.Generator().manual_seed(_seed(seed, key, None))
+        rows = _sample_positions(n_rows, min(sample_size, n_rows), generator)
+        squares = row_squares(info.shards if info is not None else [], rows)
+        sharded.append((key, rows))
+        parts.append(squares.to(device))
+    if parts:
+        total = torch.cat(parts)
+        dist.all_reduce(total)
+        offset = 0
+        for key, rows in sharded:
+            chunk = total[offset : offset + rows.numel()].cpu()
+            offset += rows.numel()
+            out[f"{key}-norm-mean"] = chunk.sqrt().mean().float() if rows.numel() else _NONE
+    return out
+
+
+_NONE = torch.tensor(-1.0)
+
+
+def _max_over_ranks(value: int, device: torch.device) -> int:
+    t = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())

@@ -209,7 +209,22 @@ def sampled_row_norms(
     span = torch.searchsorted(ends, positions, right=True)
     starts = torch.tensor([lo for lo, _ in spans], dtype=torch.long)
     rows = positions - (ends - lengths)[span] + starts[span]  # global row ids, sorted
-    device = shards[0].tensor.device
+    return row_squares(shards, rows).sqrt(), n_rows
+
+
+def row_squares(shards: list[LocalShard], rows: torch.Tensor) -> torch.Tensor:
+    """Squared L2 norms of the parts of global rows ``rows`` held in ``shards`` (0 elsewhere).
+
+    Summed over ranks, this gives the squared norm of whole rows, whatever the sharding.
+
+    Args:
+        shards: This rank's shards of one 2-D table.
+        rows: Sorted global row ids.
+
+    Returns:
+        float64 squares, one per row, on the shards' device (CPU when there are none).
+    """
+    device = shards[0].tensor.device if shards else torch.device("cpu")
     squares = torch.zeros(rows.numel(), dtype=torch.float64, device=device)
     for s in shards:
         lo, hi = s.row_offset, s.row_offset + s.tensor.shape[0]
@@ -222,7 +237,7 @@ def sampled_row_norms(
         dtype = None if block.dtype == torch.float64 else torch.float32
         norms = torch.linalg.vector_norm(block, dim=1, dtype=dtype)
         squares[a:b] += norms.to(device=device, dtype=torch.float64).square()
-    return squares.sqrt(), n_rows
+    return squares
 
 
 def _default_sharders(fused_params: dict[str, Any] | None) -> list[Any]:

@@ -62,9 +62,10 @@ def test_per_rank_embedding_norms_and_sentinels(run: Path) -> None:
         for rank in range(2):
             value = scalars[f"embedding_norms/{table}-norm-{rank}"][10]
             assert value > 0 if rank in plan[table][1] else value == -1.0, (table, rank)
-    # Column-wise: each rank reports row norms over its own columns; the mean averages them.
+    # Column-wise: each rank reports row norms over its own columns; the mean is over whole
+    # rows (checked exactly against the full table above), so it exceeds every partial value.
     cw = [scalars[f"embedding_norms/t_cat_2-norm-{r}"][10] for r in range(2)]
-    assert scalars["embedding_norms/t_cat_2-norm-mean"][10] == pytest.approx(sum(cw) / 2, rel=1e-5)
+    assert scalars["embedding_norms/t_cat_2-norm-mean"][10] > max(cw)
     # Data-parallel: both ranks hold the same rows, so they report the same value (counted once).
     dp = [scalars[f"embedding_norms/t_cat_3-norm-{r}"][10] for r in range(2)]
     assert dp[0] == dp[1] == pytest.approx(scalars["embedding_norms/t_cat_3-norm-mean"][10])

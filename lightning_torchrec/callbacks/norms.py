@@ -160,10 +160,10 @@ class EmbeddingNormCallback(_NormCallback):
 
     Per table and rank: the mean L2 norm of at most ``sample_size`` of that rank's rows (a fixed
     sample under ``seed``, so the curve follows the same rows); -1 for a rank without rows of the
-    table; plus the row-weighted mean over ranks. Tags: ``embedding_norms/{table}-norm-{rank}``
+    table; plus the mean norm of whole rows over a sample of the table. Tags: ``embedding_norms/{table}-norm-{rank}``
     and ``embedding_norms/{table}-norm-mean``. For a column-wise table each rank's value is over
-    the columns it holds, and the mean averages those partial row norms (it is not the norm of
-    whole rows); ``WeightNormCallback`` gives the exact norm of the whole table.
+    the columns it holds; the mean is always over whole rows (the parts on several ranks are
+    combined).
 
     Args:
         tables: table names (e.g. ``"t_cat_0"``) or state-dict keys; None for every table.

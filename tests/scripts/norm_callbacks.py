@@ -75,8 +75,7 @@ def main() -> None:
         if trainer.is_global_zero:
             assert full is not None
             expected[f"model/l2_norm/{key}"] = float(full.norm())
-            if TYPES[name] != "column_wise":  # column shards report local-column row norms
-                expected[f"embedding_norms/{name}-norm-mean"] = float(full.norm(dim=1).mean())
+            expected[f"embedding_norms/{name}-norm-mean"] = float(full.norm(dim=1).mean())
     if trainer.is_global_zero:
         for n, p in model.named_parameters():
             if "embedding_bags" not in n:
