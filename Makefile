@@ -1,12 +1,15 @@
 # make demo  - install (if needed) and train DLRM on synthetic clicks on 2 CPU processes
 # make test  - install (if needed) and run the test suite
+# make docs  - build the documentation site (warnings are errors)
+# make bench - run the benchmarks (not part of make test)
 # make lint  - ruff
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_ARGS ?=
 
-.PHONY: install demo test lint clean
+.PHONY: install demo test docs lint clean
+LINT_PATHS := lightning_torchrec tests benchmarks notebooks/*.py scripts/*.py docs/conf.py
 
 install: $(STAMP)
 
@@ -19,12 +22,15 @@ demo: $(STAMP)
 	$(PY) -m lightning_torchrec.demo fit $(DEMO_ARGS)
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check lightning_torchrec tests
+	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(PY) -m pytest
 
+docs: $(STAMP)
+	$(VENV)/bin/sphinx-build -E -W --keep-going -b html docs docs/_build/html
+
 lint: $(STAMP)
-	$(VENV)/bin/ruff check lightning_torchrec tests
-	$(VENV)/bin/ruff format --check lightning_torchrec tests
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 
 clean:
 	rm -rf $(VENV) lightning_logs .pytest_cache

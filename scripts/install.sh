@@ -18,7 +18,8 @@ pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q)
 # shellcheck disable=SC2086
 "${pip[@]}" ${TORCH_PIP_ARGS:-} -r requirements/stack.txt
 "${pip[@]}" --no-deps torchrec==1.8.0
-"${pip[@]}" -c requirements/constraints.txt -r requirements/torchrec.txt -r requirements/dev.txt
+"${pip[@]}" -c requirements/constraints.txt -r requirements/torchrec.txt -r requirements/dev.txt \
+    -r requirements/docs.txt
 "${pip[@]}" --no-deps -e .
 "$venv/bin/python" - <<'PY'
 import fbgemm_gpu, torch, torchrec, lightning  # noqa: F401  # fails loudly on a broken stack

@@ -95,6 +95,15 @@ class _NormCallback(Callback):
         if trainer.state.fn != TrainerFn.FITTING and not trainer.sanity_checking:
             self._log(trainer, pl_module)
 
+    @property
+    @override
+    def state_key(self) -> str:
+        # Two callbacks of one type with different arguments keep separate state.
+        return self._generate_state_key(**self._state_key_args())
+
+    def _state_key_args(self) -> dict[str, Any]:
+        return {"every_n_steps": self.every_n_steps}
+
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"last_logged_step": self._last_logged_step}
@@ -133,6 +142,12 @@ class WeightNormCallback(_NormCallback):
         self.how_to_log = how_to_log
 
     @override
+    def _state_key_args(self) -> dict[str, Any]:
+        how = self.how_to_log
+        names = sorted(how) if isinstance(how, Mapping) else getattr(how, "__name__", repr(how))
+        return {"every_n_steps": self.every_n_steps, "how_to_log": names}
+
+    @override
     def _prepare(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if isinstance(self.how_to_log, Mapping):
             names = {n for n, _ in pl_module.named_parameters()}
@@ -160,10 +175,10 @@ class EmbeddingNormCallback(_NormCallback):
 
     Per table and rank: the mean L2 norm of at most ``sample_size`` of that rank's rows (a fixed
     sample under ``seed``, so the curve follows the same rows); -1 for a rank without rows of the
-    table; plus the mean norm of whole rows over a sample of the table. Tags: ``embedding_norms/{table}-norm-{rank}``
-    and ``embedding_norms/{table}-norm-mean``. For a column-wise table each rank's value is over
-    the columns it holds; the mean is always over whole rows (the parts on several ranks are
-    combined).
+    table; plus the mean norm of whole rows over a sample of the table. Tags:
+    ``embedding_norms/{table}-norm-{rank}`` and ``embedding_norms/{table}-norm-mean``. For a
+    column-wise table each rank's value is over the columns it holds; the mean is always over
+    whole rows (the parts on several ranks are combined).
 
     Args:
         tables: table names (e.g. ``"t_cat_0"``) or state-dict keys; None for every table.
@@ -189,6 +204,14 @@ class EmbeddingNormCallback(_NormCallback):
         self.sample_size = sample_size
         self.seed = seed
         self._keys: dict[str, str] = {}
+
+    @override
+    def _state_key_args(self) -> dict[str, Any]:
+        return {
+            "every_n_steps": self.every_n_steps,
+            "tables": self.tables,
+            "sample_size": self.sample_size,
+        }
 
     @override
     def _prepare(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
