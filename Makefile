@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_ARGS ?=
 
-.PHONY: install demo test docs lint clean
+.PHONY: install demo test docs bench lint clean
 LINT_PATHS := lightning_torchrec tests benchmarks notebooks/*.py scripts/*.py docs/conf.py
 
 install: $(STAMP)
@@ -24,6 +24,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(PY) -m pytest
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.run
 
 docs: $(STAMP)
 	$(VENV)/bin/sphinx-build -E -W --keep-going -b html docs docs/_build/html

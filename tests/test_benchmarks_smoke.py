@@ -1,0 +1,124 @@
+"""Every benchmark runs end to end at tiny sizes and writes its JSON and the Markdown table.
+
+Two launches side by side: the three 2-rank benchmarks share one Lightning launch
+(``--in-process``), the single-process ones run in a second subprocess. Nothing here asserts a
+time.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.run import table
+from tests.helpers import ROOT, clean_env
+
+MULTI = ["strategy_overhead", "callback_cost", "checkpoint_cost"]
+SINGLE = ["norm_throughput", "sampling_scale", "planner_scale"]
+
+
+def _start(out: Path, names: list[str]) -> subprocess.Popen:
+    only = [arg for name in names for arg in ("--only", name)]
+    return subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.run", "--quick", "--in-process", "--out", str(out)]
+        + only,
+        cwd=ROOT,
+        env=clean_env(OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _finish(proc: subprocess.Popen, names: list[str]) -> None:
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"benchmarks {names} exited {proc.returncode}\n--- stdout ---\n"
+            f"{stdout[-4000:]}\n--- stderr ---\n{stderr[-8000:]}"
+        )
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    multi, single = tmp_path_factory.mktemp("bench_multi"), tmp_path_factory.mktemp("bench_one")
+    procs = [(_start(multi, MULTI), MULTI), (_start(single, SINGLE), SINGLE)]
+    for proc, names in procs:
+        _finish(proc, names)
+    out = tmp_path_factory.mktemp("bench")
+    for src in (multi, single):
+        for path in src.glob("*.json"):
+            (out / path.name).write_text(path.read_text())
+    (out / "README.md").write_text(table(out))
+    return out
+
+
+def _load(out: Path, name: str) -> dict:
+    return json.loads((out / f"{name}.json").read_text())
+
+
+def test_raw_loop_and_trainer_see_identical_losses(results: Path) -> None:
+    r = _load(results, "strategy_overhead")
+    assert r["weights_copied"] > 0
+    assert r["loss_steps_compared"] == r["steps_per_variant"]
+    assert r["loss_max_abs_diff"] == 0.0 and r["losses_identical"]
+    assert r["lightning_step_s"]["n"] > 0 and r["raw_step_s"]["n"] > 0
+    assert r["step_time_ratio"]["ratio_of_medians"] > 0
+
+
+def test_callback_variants_all_measured(results: Path) -> None:
+    r = _load(results, "callback_cost")
+    variants = r["variants"]
+    assert variants["none_step_s"]["n"] > 0
+    for name in ("weight_every", "embedding_every", "weight_default", "embedding_default"):
+        assert variants[name]["step_s"]["n"] > 0, name
+        assert variants[name]["ratio_of_medians"] > 0, name
+
+
+def test_norm_throughput_ratios(results: Path) -> None:
+    r = _load(results, "norm_throughput")["results"]
+    for key in ("demo/plain", "demo/dmp_1rank"):
+        assert r[key]["bytes"] > 0
+        assert r[key]["num_keys_logged"] > 0
+        assert r[key]["ratio_vs_foreach_norm"] > 0
+
+
+def test_sampling_memory_does_not_grow_with_the_table(results: Path) -> None:
+    r = _load(results, "sampling_scale")
+    peaks = [s["torch_alloc_peak_bytes"] for s in r["sizes"].values()]
+    table_bytes = [s["table_bytes"] for s in r["sizes"].values()]
+    assert table_bytes[-1] == 100 * table_bytes[0]
+    # Allocation sizes are deterministic: bounded by the sample, not the table.
+    assert max(peaks) <= 2 * min(peaks)
+    assert max(peaks) < table_bytes[-1] / 10
+    assert all(s["mean_norm"] > 0 for s in r["sizes"].values())
+
+
+def test_checkpoint_is_written_and_resumed(results: Path) -> None:
+    r = _load(results, "checkpoint_cost")
+    assert r["checkpoint_bytes"] > r["table_bytes"]
+    assert r["save_s"]["n"] == r["rounds"] == r["resume_fit_s"]["n"]
+
+
+def test_planner_scale_plans_every_world_size(results: Path) -> None:
+    r = _load(results, "planner_scale")
+    assert [p["world_size"] for p in r["plans"]] == [8, 16]
+    for plan in r["plans"]:
+        assert sum(plan["sharding_types"].values()) == r["size"]["tables"]
+        held = plan["table_bytes_per_holding_rank"]
+        assert held["n"] * held["mean"] == pytest.approx(r["total_table_bytes"])
+
+
+def test_markdown_table_has_every_section(results: Path) -> None:
+    text = (results / "README.md").read_text()
+    for section in ("## 1.", "## 2.", "## 3.", "## 4.", "## 5.", "## 6."):
+        assert section in text
+    assert "NaN" not in text and "nan" not in text.split()
