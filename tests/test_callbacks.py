@@ -164,3 +164,32 @@ def test_validation_only_run_logs_once_at_its_step() -> None:
     assert log.steps_with("model/") == [0]
     assert log.steps_with("embedding_norms/") == [0]
     assert all(torch.isfinite(torch.tensor(v)) for v in log.last("embedding_norms/").values())
+
+
+def test_resumed_run_logs_no_duplicate_or_stale_points(tmp_path) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    first = RecordingLogger()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
+    fit(
+        [WeightNormCallback(every_n_steps=2), ckpt],
+        loggers=[first],
+        max_steps=4,
+        enable_checkpointing=True,
+    )
+    assert first.steps_with("model/") == [2, 4]
+    resumed = RecordingLogger()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=8,
+        logger=[resumed],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[WeightNormCallback(every_n_steps=2)],
+        strategy=TorchRecStrategy(constraints=TABLE_WISE),
+    )
+    trainer.fit(dlrm(), datamodule=data(), ckpt_path=tmp_path / "epoch=0-step=4.ckpt")
+    assert resumed.steps_with("model/") == [6, 8]
