@@ -349,3 +349,142 @@ def summarize_plan(model: nn.Module, plan: ShardingPlan, world_size: int) -> Pla
                 )
             )
     return PlanSummary(world_size=world_size, tables=tables)
+
+
+def check_plan_matches_model(plan: ShardingPlan, model: nn.Module) -> None:
+    """Refuses an explicit plan naming modules or tables the model does not have.
+
+    Args:
+        plan: the user's sharding plan.
+        model: the unsharded model.
+
+    Raises:
+        ValueError: naming the unknown module paths or tables and the model's own.
+    """
+    for module_path, module_plan in plan.plan.items():
+        try:
+            configs = _table_configs(model, module_path)
+        except AttributeError:
+            configs = {}
+        unknown = sorted(set(module_plan) - set(configs))  # type: ignore[arg-type]
+        if unknown:
+            raise ValueError(
+                f"The plan shards tables {unknown} of module {module_path!r}, which the model "
+                f"does not have (its tables there: {sorted(configs)}; all tables: "
+                f"{embedding_table_names(model)}). Re-plan for this model, or pass no plan."
+            )
+
+
+#: Fused optimizers fbgemm's CPU kernels implement (others fail deep inside DMP construction).
+CPU_FUSED_OPTIMIZERS = frozenset(
+    {"exact_sgd", "exact_adagrad", "exact_row_wise_adagrad", "ema_in_place_row_wise_adagrad"}
+)
+
+
+def check_fused_optimizer_for_device(sharders: list[Any], compute_device: str) -> None:
+    """Refuses fused optimizers that the device's embedding kernels do not implement.
+
+    Args:
+        sharders: the sharders (their ``fused_params["optimizer"]`` is checked).
+        compute_device: ``"cpu"`` or ``"cuda"``.
+
+    Raises:
+        ValueError: naming the optimizer and the supported ones (fbgemm would only fail with
+            an ``AssertionError`` while building the sharded model).
+    """
+    if compute_device == "cuda":
+        return
+    for sharder in sharders:
+        opt = (getattr(sharder, "fused_params", None) or {}).get("optimizer")
+        name = getattr(opt, "value", opt)
+        if isinstance(name, str) and name.lower() not in CPU_FUSED_OPTIMIZERS:
+            raise ValueError(
+                f"Fused embedding optimizer {name!r} (in {type(sharder).__name__}) is not "
+                f"supported on CPU; use one of {sorted(CPU_FUSED_OPTIMIZERS)}, e.g. "
+                "TorchRecStrategy(fused_params={'optimizer': 'exact_row_wise_adagrad'}). ADAM "
+                "and the partial row-wise variants need CUDA."
+            )
+
+
+def _table_bytes(model: nn.Module) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    for module in model.modules():
+        getter = getattr(module, "embedding_bag_configs", None) or getattr(
+            module, "embedding_configs", None
+        )
+        if callable(getter):
+            for c in getter():
+                elem = torch.tensor([], dtype=data_type_to_dtype(c.data_type)).element_size()
+                sizes[c.name] = c.num_embeddings * c.embedding_dim * elem
+    return sizes
+
+
+def explain_planner_error(error: BaseException, model: nn.Module, topology: Any) -> str:
+    """Explains a planner failure with the bytes the tables need and the devices offer.
+
+    Args:
+        error: what the planner raised.
+        model: the unsharded model.
+        topology: the planner's ``Topology`` (None when unknown).
+
+    Returns:
+        A message with the weight bytes per table (largest first), the capacity per rank and
+        the usual fixes, then the planner's own message.
+    """
+    sizes = sorted(_table_bytes(model).items(), key=lambda kv: -kv[1])
+    need = sum(b for _, b in sizes)
+    largest = ", ".join(f"{t}: {_human(b)}" for t, b in sizes[:3])
+    lines = [
+        f"Sharding planning failed ({type(error).__name__}). The tables need {_human(need)} "
+        f"({need} bytes) for their weights alone, before optimizer state (largest: {largest})."
+    ]
+    devices = getattr(topology, "devices", None)
+    if devices:
+        kind = "hbm" if getattr(topology, "compute_device", "cpu") == "cuda" else "ddr"
+        caps = [getattr(d.storage, kind) for d in devices]
+        lines.append(
+            f"Each of the {len(caps)} ranks offers {_human(min(caps))} ({min(caps)} bytes) of "
+            f"{kind}, {_human(sum(caps))} in all; the planner also reserves a share for dense "
+            "parameters and activations."
+        )
+    lines.append(
+        "Fixes: more ranks, fewer rows (hash ids into smaller tables), a smaller embedding_dim "
+        "or data_type=DataType.FP16, or a planner Topology with the real memory (ddr_cap/hbm_cap)."
+    )
+    lines.append(f"Planner said: {str(error).strip()[:2000]}")
+    return "\n".join(lines)
+
+
+def plan_collectively(
+    planner: Any, model: nn.Module, sharders: list[Any], pg: Any, topology: Any = None
+) -> ShardingPlan:
+    """Plans on rank 0 and broadcasts the plan, or the failure: every rank raises together.
+
+    TorchRec's ``collective_plan`` leaves the other ranks waiting in the broadcast until the
+    collective timeout when planning fails on rank 0.
+
+    Args:
+        planner: an ``EmbeddingShardingPlanner``.
+        model: the unsharded model.
+        sharders: the sharders.
+        pg: the process group.
+        topology: the planner's topology, to explain a failure.
+
+    Returns:
+        The plan, the same on every rank.
+
+    Raises:
+        ValueError: on every rank when planning failed, with :func:`explain_planner_error`.
+    """
+    from torchrec.distributed.collective_utils import invoke_on_rank_and_broadcast_result
+
+    def plan_or_message() -> Any:
+        try:
+            return planner.plan(model, sharders)
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            return ("error", explain_planner_error(e, model, topology))
+
+    result = invoke_on_rank_and_broadcast_result(pg, 0, plan_or_message)
+    if isinstance(result, tuple) and result and result[0] == "error":
+        raise ValueError(result[1])
+    return result

@@ -1,0 +1,164 @@
+"""2-rank fault scenarios (run as a script; Lightning relaunches it per rank).
+
+``python faults_two_ranks.py OUT MODE`` with MODE:
+
+* ``phases``: one launch, several trainers: (1) only rank 1 gets a batch with an out-of-range id
+  at step 2; (2) only rank 1's loss is NaN at step 3; (3) only rank 1's table turns NaN just
+  before the
+  second checkpoint. Each rank records what it raised in ``{phase}_rank{r}.pt``.
+* ``kill``: rank 1 SIGKILLs itself at step 3; rank 0 must exit non-zero within the timeout.
+* ``preempt``: rank 1 receives SIGTERM at step 5: every rank saves ``OUT/preempted.ckpt`` and
+  exits; ``resume`` (or ``phases``, first, when that checkpoint exists) continues from it to
+  step 8.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torchrec.distributed.planner.types import ParameterConstraints
+
+from lightning_torchrec import DLRMClickModule, SyntheticClickData, TorchRecStrategy
+from lightning_torchrec.faults import PreemptionCheckpoint
+
+OUT, MODE = Path(sys.argv[1]), sys.argv[2]
+ROWS = 20
+
+
+class Faulty(DLRMClickModule):
+    """Breaks things on one rank at one step."""
+
+    def __init__(self, fault: str = "", at: int = -1, **kw: Any) -> None:
+        super().__init__(
+            [ROWS] * 2,
+            embedding_dim=4,
+            dense_arch_layer_sizes=[4],
+            over_arch_layer_sizes=[4, 1],
+            **kw,
+        )
+        self.fault, self.at = fault, at
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.global_rank == 1 and self.global_step == self.at and self.fault == "nan_loss":
+            loss = loss * float("nan")
+        return loss
+
+
+class RankOneFault(Callback):
+    def __init__(self, fault: str, at: int) -> None:
+        self.fault, self.at = fault, at
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, i: int) -> None:
+        if trainer.global_rank != 1 or trainer.global_step != self.at:
+            return
+        if self.fault == "bad_id":
+            batch.sparse_features.values()[3] = ROWS + 7
+        elif self.fault == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif self.fault == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+class NanTableBeforeSave(Callback):
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, *args: Any) -> None:
+        if trainer.global_rank == 1 and trainer.global_step == 4:
+            for v in pl_module.state_dict().values():
+                for s in getattr(v, "local_shards", list)():
+                    s.tensor.data[0, 0] = float("nan")
+
+
+class Steps(Callback):
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.steps.append(trainer.global_step)
+
+
+def run(
+    phase: str,
+    fault: str,
+    at: int,
+    max_steps: int = 6,
+    ckpt_path: Any = None,
+    extra: list[Callback] | None = None,
+    **strategy_kw: Any,
+) -> dict[str, Any]:
+    data = SyntheticClickData(
+        num_embeddings=ROWS,
+        num_sparse_features=2,
+        batch_size=16,
+        train_batches=40,
+        val_batches=2,
+        seed=1,
+    )
+    model = Faulty(fault=fault, at=at)
+    steps = Steps()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        default_root_dir=OUT,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in extra or []),
+        callbacks=[RankOneFault(fault, at), steps, *(extra or [])],
+        strategy=TorchRecStrategy(
+            log_plan=False,
+            timeout=timedelta(seconds=20),
+            constraints={
+                f"t_cat_{i}": ParameterConstraints(sharding_types=["table_wise"]) for i in range(2)
+            },
+            **strategy_kw,
+        ),
+    )
+    result: dict[str, Any] = {"error": None, "message": ""}
+    try:
+        trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+    except Exception as e:  # recorded for the parent's assertions
+        result = {"error": type(e).__name__, "message": str(e)}
+        if MODE == "kill":
+            torch.save(result, OUT / f"{phase}_rank{trainer.global_rank}.pt")
+            raise
+    result.update(steps=steps.steps, global_step=trainer.global_step)
+    torch.save(result, OUT / f"{phase}_rank{trainer.global_rank}.pt")
+    return result
+
+
+def main() -> None:
+    L.seed_everything(0)
+    if MODE == "phases":
+        if (OUT / "preempted.ckpt").exists():  # left by a ``preempt`` launch into OUT
+            run("resume", "", at=-1, max_steps=8, ckpt_path=OUT / "preempted.ckpt")
+        run("bad_id", "bad_id", at=2)
+        run("nan_raise", "nan_loss", at=3)
+        ckpt = ModelCheckpoint(dirpath=OUT / "ckpts", every_n_train_steps=2, save_top_k=-1)
+        run("nan_ckpt", "", at=-1, extra=[NanTableBeforeSave(), ckpt])
+    elif MODE == "kill":
+        run("kill", "kill", at=3)
+    elif MODE == "preempt":
+        run(
+            "preempt",
+            "sigterm",
+            at=5,
+            max_steps=20,
+            extra=[PreemptionCheckpoint(OUT / "preempted.ckpt")],
+        )
+    elif MODE == "resume":
+        run("resume", "", at=-1, max_steps=8, ckpt_path=OUT / "preempted.ckpt")
+
+
+if __name__ == "__main__":
+    main()

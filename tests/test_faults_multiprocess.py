@@ -1,0 +1,93 @@
+"""Faults with two real gloo ranks where only rank 1 misbehaves: every rank stops, promptly.
+
+Launches of tests/scripts/faults_two_ranks.py: one where rank 1 gets SIGTERM (preemption), one
+that resumes from that checkpoint and then runs the in-process faults (bad batch, NaN loss, NaN
+weights at a save), one where rank 1 is SIGKILLed. Every
+launch has a hard timeout, so a hang fails the test instead of stalling the suite.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_torchrec import is_sharded_checkpoint
+from tests.helpers import ROOT, SCRIPTS, clean_env, load_ranks, run_script
+
+SCRIPT = "faults_two_ranks.py"
+
+
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    out = tmp_path_factory.mktemp("faults")
+    return out, _launch(out, "preempt")
+
+
+@pytest.fixture(scope="module")
+def phases(preempted: tuple[Path, Any]) -> Path:
+    out = preempted[0]
+    run_script(SCRIPT, str(out), "phases", timeout=240)  # resumes from the preemption first
+    return out
+
+
+def test_bad_batch_on_rank1_stops_both_ranks_before_the_step(phases: Path) -> None:
+    r0, r1 = load_ranks(phases, "bad_id")
+    assert r0["error"] == r1["error"] == "BatchValidationError"
+    for msg in (r0["message"], r1["message"]):
+        assert "rank 1, step 2" in msg and "'cat_0'" in msg and "'t_cat_0'" in msg
+        assert "id 27" in msg and "num_embeddings=20" in msg
+    assert "another rank failed" in r0["message"]
+    assert r0["global_step"] == r1["global_step"] == 2  # step 2 never ran
+
+
+def test_nan_loss_on_rank1_raises_on_both_ranks_naming_step_and_rank(phases: Path) -> None:
+    r0, r1 = load_ranks(phases, "nan_raise")
+    assert r0["error"] == r1["error"] == "NonFiniteLossError"
+    assert "global step 3 on rank(s) [1]" in r0["message"]
+    assert "this rank: nan" in r1["message"]
+
+
+def test_nan_weights_are_never_saved_and_the_previous_checkpoint_survives(phases: Path) -> None:
+    r0, r1 = load_ranks(phases, "nan_ckpt")
+    assert r0["error"] == r1["error"] == "NonFiniteCheckpointError"
+    assert "rank(s) [1]" in r0["message"]
+    assert "embedding_bags.t_cat_" in r1["message"]
+    ckpts = sorted(p.name for p in (phases / "ckpts").iterdir())
+    assert ckpts == ["epoch=0-step=2.ckpt"]
+    assert is_sharded_checkpoint(phases / "ckpts" / ckpts[0])
+
+
+def _launch(out: Path, mode: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SCRIPTS / SCRIPT), str(out), mode],
+        cwd=ROOT,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,  # the strategy's collective timeout is 20 s: a hang fails here
+    )
+
+
+def test_killed_rank_makes_the_survivor_exit_with_a_peer_failure(tmp_path: Path) -> None:
+    proc = _launch(tmp_path, "kill")
+    assert proc.returncode != 0
+    assert "PeerFailureError" in proc.stderr and "another rank probably died" in proc.stderr
+    (r0,) = [load_ranks(tmp_path, "kill", world=1)[0]]
+    assert r0["error"] == "PeerFailureError"
+
+
+def test_sigterm_on_rank1_saves_a_complete_checkpoint_and_the_run_resumes(
+    preempted: tuple[Path, Any], phases: Path
+) -> None:
+    out, proc = preempted
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "Preempted (signal on rank(s) [1])" in proc.stdout + proc.stderr
+    ckpt = out / "preempted.ckpt"
+    assert is_sharded_checkpoint(ckpt) and len(list(ckpt.glob("*.distcp"))) == 2
+    for r in load_ranks(phases, "resume"):
+        assert r["error"] is None
+        assert r["steps"] == [7, 8]  # saved after step 6, continues from there

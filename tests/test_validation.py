@@ -1,0 +1,141 @@
+"""Batch validation on hand-made batches, and what TorchRec/fbgemm do without it (one process)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+from torchrec.distributed.planner.types import ParameterConstraints
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from lightning_torchrec import Batch, DLRMClickModule, TorchRecStrategy
+from lightning_torchrec.validation import (
+    BatchValidationError,
+    dense_width,
+    feature_specs,
+    validate_batch,
+)
+
+ROWS = [10, 20]
+
+
+def model() -> DLRMClickModule:
+    return DLRMClickModule(
+        ROWS,
+        num_dense_features=3,
+        embedding_dim=4,
+        dense_arch_layer_sizes=[4],
+        over_arch_layer_sizes=[4, 1],
+    )
+
+
+SPECS = feature_specs(model())
+
+
+def batch(values: Any = None, lengths: Any = None, keys: Any = None, **kw: Any) -> Batch:
+    kjt = KeyedJaggedTensor(
+        keys=keys or ["cat_0", "cat_1"],
+        values=torch.tensor([1, 2, 3, 19]) if values is None else values,
+        lengths=torch.tensor([1, 1, 1, 1]) if lengths is None else lengths,
+    )
+    fields = {"dense_features": torch.zeros(2, 3), "labels": torch.ones(2)} | kw
+    return Batch(sparse_features=kjt, **fields)
+
+
+def check(b: Any) -> str:
+    with pytest.raises(BatchValidationError) as err:
+        validate_batch(b, SPECS, num_dense_features=3)
+    return str(err.value)
+
+
+def test_specs_from_the_unsharded_model() -> None:
+    assert SPECS["cat_1"].table == "t_cat_1" and SPECS["cat_1"].num_embeddings == 20
+    assert dense_width(model()) == 3
+    validate_batch(batch(), SPECS, num_dense_features=3)  # a good batch passes
+
+
+def test_id_past_the_end_names_feature_table_value_and_sample() -> None:
+    msg = check(batch(values=torch.tensor([1, 2, 3, 20])))
+    assert "'cat_1'" in msg and "'t_cat_1'" in msg and "id 20" in msg and "sample 1" in msg
+    msg = check(batch(values=torch.tensor([1, 10, 3, 4])))  # 10 is fine for cat_1, not cat_0
+    assert "'cat_0'" in msg and "id 10" in msg and "sample 1" in msg
+
+
+def test_negative_float_and_mismatched_ids() -> None:
+    assert "id -3 (negative)" in check(batch(values=torch.tensor([1, 2, -3, 4])))
+    assert "dtype torch.float32" in check(batch(values=torch.tensor([1.0, 2.0, 3.0, 4.0])))
+    assert "sum to 5 but there are 4 ids" in check(batch(lengths=torch.tensor([1, 2, 1, 1])))
+    assert "negative length" in check(batch(lengths=torch.tensor([2, -1, 2, 1])))
+
+
+def test_unknown_and_missing_keys() -> None:
+    msg = check(batch(keys=["cat_0", "cat_9"]))
+    assert "['cat_9'] are read by no table" in msg
+    kjt = KeyedJaggedTensor(
+        keys=["cat_0"], values=torch.tensor([1, 2]), lengths=torch.ones(2).int()
+    )
+    msg = check(Batch(torch.zeros(2, 3), kjt, torch.ones(2)))
+    assert "['cat_1']" in msg and "'t_cat_1'" in msg and "missing" in msg
+
+
+def test_dense_labels_and_empty_batches() -> None:
+    assert "width 5" in check(batch(dense_features=torch.zeros(2, 5)))
+    dense = torch.zeros(2, 3)
+    dense[1, 2] = float("nan")
+    assert "dense_features[1, 2] is nan" in check(batch(dense_features=dense))
+    assert "labels has shape (2, 2)" in check(batch(labels=torch.ones(2, 2)))
+    assert "labels has 3 entries" in check(batch(labels=torch.ones(3)))
+    empty = KeyedJaggedTensor(
+        keys=["cat_0", "cat_1"],
+        values=torch.tensor([], dtype=torch.int64),
+        lengths=torch.tensor([], dtype=torch.int32),
+    )
+    assert "empty" in check(Batch(torch.zeros(0, 3), empty, torch.ones(0)))
+
+
+class _Batches(Dataset):
+    def __init__(self, bad_at: int) -> None:
+        self.bad_at = bad_at
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, i: int) -> Batch:
+        return batch(values=torch.tensor([1, 2, 1000 if i == self.bad_at else 3, 4]))
+
+
+def _fit(validate: Any, bad_at: int) -> L.Trainer:
+    table_wise = {f"t_cat_{i}": ParameterConstraints(sharding_types=["table_wise"]) for i in (0, 1)}
+    t = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=6,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        strategy=TorchRecStrategy(
+            constraints=table_wise, log_plan=False, validate_batches=validate
+        ),
+    )
+    t.fit(model(), DataLoader(_Batches(bad_at), batch_size=None))
+    return t
+
+
+def test_strategy_refuses_the_bad_batch_before_training_on_it() -> None:
+    with pytest.raises(BatchValidationError, match=r"rank 0, step 2: feature 'cat_1'.*id 1000"):
+        _fit(True, bad_at=2)
+
+
+def test_fbgemm_alone_trains_through_out_of_range_ids() -> None:
+    # Without our check the fused CPU kernel (bounds_check_mode=WARNING) logs the id, replaces it
+    # by row 0 and trains on: the run "succeeds". This is what validation exists for.
+    assert _fit(False, bad_at=2).global_step == 6
+    # validate_batches=N checks only the first N steps.
+    assert _fit(2, bad_at=3).global_step == 6
+    with pytest.raises(BatchValidationError):
+        _fit(2, bad_at=1)
