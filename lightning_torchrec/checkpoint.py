@@ -5,16 +5,27 @@ A checkpoint is a directory:
 - DCP files (``.metadata`` and ``__{rank}_{i}.distcp``): the module state (every rank writes the
   shards it owns; replicated tensors are written once) and the optimizer *state* (the fused
   optimizer's per-row state is sharded like its table);
-- ``param_groups.rank{r}.pt``: rank ``r``'s optimizer hyper-parameters. Fused param groups name
-  rank-local tables and DCP keeps one rank's copy of non-tensor values, so they are kept per rank;
+- ``param_groups.rank{r}.pt``: rank ``r``'s optimizer hyper-parameters and fused-kernel step
+  counters. Fused param groups name rank-local tables and DCP keeps one rank's copy of non-tensor
+  values, so they are kept per rank;
 - ``meta.pt``: Lightning's own checkpoint entries (loops, callbacks, schedulers, ...), written by
-  rank 0 last, so a directory without it is an incomplete checkpoint.
+  rank 0 last.
+
+Saving is atomic: every rank writes into a hidden sibling directory (``.{name}.partial``, which
+matches no checkpoint pattern), and rank 0 moves it to its final name only once ``meta.pt`` is
+written. An interrupted save leaves the previous checkpoint of that name untouched.
+
+Loading reshards: a checkpoint written under one plan or world size loads under another (DCP
+copies by global offsets). Before reading anything, the checkpoint's keys and global shapes are
+checked against the target, so a checkpoint of another model fails naming the tables.
 
 Everything is collective: every rank must call :func:`save_sharded` / :func:`load_sharded`.
 """
 
 from __future__ import annotations
 
+import pickle
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +33,19 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torchrec.optim.keyed import KeyedOptimizer
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 
 META_FILE = "meta.pt"
 FORMAT_VERSION = 1
-_MODEL_KEY = "state_dict"
+MODEL_KEY = "state_dict"
+_PARTIAL_SUFFIX = ".partial"
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint's tensors do not fit the model or optimizer it is loaded into."""
 
 
 def _rank() -> int:
@@ -51,6 +69,10 @@ def _param_groups_file(path: Path, rank: int) -> Path:
     return path / f"param_groups.rank{rank}.pt"
 
 
+def _partial_dir(path: Path) -> Path:
+    return path.parent / f".{path.name}{_PARTIAL_SUFFIX}"
+
+
 def is_sharded_checkpoint(path: str | Path) -> bool:
     """Whether ``path`` is a complete sharded checkpoint directory.
 
@@ -58,7 +80,8 @@ def is_sharded_checkpoint(path: str | Path) -> bool:
         path: a checkpoint path.
 
     Returns:
-        True when it is a directory holding DCP metadata and Lightning's metadata.
+        True when it is a directory holding DCP metadata and Lightning's metadata (written last,
+        so a directory whose save was interrupted is not a checkpoint).
     """
     p = Path(path)
     return p.is_dir() and (p / ".metadata").is_file() and (p / META_FILE).is_file()
@@ -66,6 +89,39 @@ def is_sharded_checkpoint(path: str | Path) -> bool:
 
 def _hyper_params(optimizer: KeyedOptimizer) -> list[dict[str, Any]]:
     return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def _fused_kernels(optimizer: Any) -> list[Any]:
+    """The fused embedding kernels (TBEs) a keyed optimizer drives, in a stable order."""
+    if isinstance(optimizer, CombinedOptimizer):
+        return [k for _, o in optimizer.optimizers for k in _fused_kernels(o)]
+    emb = getattr(optimizer, "_emb_module", None)
+    return [emb] if emb is not None and hasattr(emb, "iter") else []
+
+
+def optimizer_steps(optimizer: KeyedOptimizer) -> list[int]:
+    """The step counters of the fused kernels (used by Adam-family fused optimizers).
+
+    Args:
+        optimizer: a keyed optimizer, typically ``DenseAndFusedOptimizer``.
+
+    Returns:
+        One counter per fused kernel; they live outside every state dict.
+    """
+    return [int(k.iter.item()) for k in _fused_kernels(optimizer)]
+
+
+def set_optimizer_steps(optimizer: KeyedOptimizer, step: int) -> None:
+    """Sets every fused kernel's step counter (the device counter and its host copy).
+
+    Args:
+        optimizer: a keyed optimizer, typically ``DenseAndFusedOptimizer``.
+        step: the counter value; every kernel of one run advances in lock step.
+    """
+    for kernel in _fused_kernels(optimizer):
+        kernel.iter.fill_(step)
+        if hasattr(kernel, "iter_cpu"):
+            kernel.iter_cpu.fill_(step)
 
 
 def save_sharded(
@@ -77,31 +133,53 @@ def save_sharded(
     """Saves a module's (sharded) state, optimizer states and Lightning metadata. Collective.
 
     Args:
-        path: the checkpoint directory (created; an existing file there is replaced).
+        path: the checkpoint directory (an existing checkpoint or file there is replaced once
+            the new one is complete).
         module: the (sharded) module; ``module.state_dict()`` holds ShardedTensors for tables.
         optimizers: keyed optimizers (state keyed by parameter name).
         metadata: the rest of Lightning's checkpoint dict; rank 0 writes it.
     """
     path = Path(path)
+    tmp = _partial_dir(path)
     if _rank() == 0:
-        if path.is_file():
-            path.unlink()
-        path.mkdir(parents=True, exist_ok=True)
-        (path / META_FILE).unlink(missing_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
     _barrier()
-    state: dict[str, Any] = {_MODEL_KEY: module.state_dict()}
+    state: dict[str, Any] = {MODEL_KEY: module.state_dict()}
     for i, opt in enumerate(optimizers):
         state[_opt_key(i)] = opt.state_dict()["state"]
-    dcp.save(state, checkpoint_id=path)
+    dcp.save(state, checkpoint_id=tmp)
     torch.save(
-        {"world_size": _world(), "param_groups": [_hyper_params(o) for o in optimizers]},
-        _param_groups_file(path, _rank()),
+        {
+            "world_size": _world(),
+            "param_groups": [_hyper_params(o) for o in optimizers],
+            "optimizer_steps": [optimizer_steps(o) for o in optimizers],
+        },
+        _param_groups_file(tmp, _rank()),
     )
     _barrier()
     if _rank() == 0:
         meta = dict(metadata)
         meta["lightning_torchrec"] = {"format_version": FORMAT_VERSION, "world_size": _world()}
-        torch.save(meta, path / META_FILE)
+        torch.save(meta, tmp / META_FILE)
+        _replace(tmp, path)
+    _barrier()
+
+
+def _replace(src: Path, dst: Path) -> None:
+    """Moves the complete directory ``src`` to ``dst``, removing what was there."""
+    if dst.is_dir():
+        old = dst.parent / f".{dst.name}.old"
+        if old.exists():
+            shutil.rmtree(old)
+        dst.rename(old)
+        src.rename(dst)
+        shutil.rmtree(old)
+    else:
+        if dst.exists():
+            dst.unlink()
+        src.rename(dst)
 
 
 def init_optimizer_state(optimizer: KeyedOptimizer) -> None:
@@ -124,27 +202,118 @@ def init_optimizer_state(optimizer: KeyedOptimizer) -> None:
             p.grad = None
 
 
+def load_meta(path: str | Path, weights_only: bool = True) -> dict[str, Any]:
+    """Reads Lightning's metadata of a checkpoint, refusing code unless told otherwise.
+
+    Args:
+        path: the checkpoint directory.
+        weights_only: ``torch.load(weights_only=...)``; keep True for checkpoints you did not
+            write yourself.
+
+    Returns:
+        Lightning's checkpoint dict without model and optimizer states.
+
+    Raises:
+        pickle.UnpicklingError: if the metadata holds objects other than tensors and plain
+            containers (e.g. a pickled function), naming the file.
+    """
+    file = Path(path) / META_FILE
+    try:
+        return torch.load(file, map_location="cpu", weights_only=weights_only)
+    except pickle.UnpicklingError as err:
+        raise pickle.UnpicklingError(
+            f"Refusing to load {file}: it holds objects that are not tensors or plain data "
+            "(loading them could run code). If you wrote this checkpoint yourself and trust it, "
+            f"load it with `weights_only=False` (e.g. `trainer.fit(..., weights_only=False)`).\n"
+            f"torch.load said: {err}"
+        ) from err
+
+
+def _global_shape(value: Any) -> tuple[int, ...] | None:
+    if isinstance(value, torch.Tensor) or hasattr(value, "metadata"):
+        return tuple(value.size())
+    return None
+
+
+def _table_of(key: str) -> str:
+    """The table a state key belongs to (``...embedding_bags.t_cat_0.weight`` -> ``t_cat_0``)."""
+    parts = key.split(".")
+    for marker in ("embedding_bags", "embeddings"):
+        if marker in parts and parts.index(marker) + 1 < len(parts):
+            return parts[parts.index(marker) + 1]
+    return key
+
+
+def check_compatible(
+    path: str | Path, state: dict[str, Any], what: str, allow_extra: bool = False
+) -> None:
+    """Checks that a checkpoint holds every tensor of ``state`` with the same global shape.
+
+    Args:
+        path: the checkpoint directory.
+        state: the nested load target, e.g. ``{"state_dict": module.state_dict()}``.
+        what: what is checked, for the message (``"model"`` or ``"optimizer 0"``).
+        allow_extra: accept checkpoint entries the target lacks (fused optimizer state is keyed
+            by the tables a rank owns, so each rank's target names only some of them).
+
+    Raises:
+        CheckpointMismatchError: naming missing, unexpected and mis-shaped entries (by table).
+    """
+    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    flat, _ = flatten_state_dict(state)
+    prefixes = {k.split(".", 1)[0] + "." for k in flat} or {f"{k}." for k in state}
+    missing, wrong = [], []
+    for key, value in flat.items():
+        shape = _global_shape(value)
+        if key not in stored:
+            missing.append(key)
+        elif shape is not None and isinstance(stored[key], TensorStorageMetadata):
+            if tuple(stored[key].size) != shape:
+                wrong.append(f"{key}: checkpoint {list(stored[key].size)}, target {list(shape)}")
+    extra = [
+        k
+        for k in stored
+        if not allow_extra and any(k.startswith(p) for p in prefixes) and k not in flat
+    ]
+    if not (missing or wrong or extra):
+        return
+    lines = [f"{path} does not match the {what} it is loaded into:"]
+    for label, keys in (("missing from the checkpoint", missing), ("not in the target", extra)):
+        if keys:
+            tables = sorted({_table_of(k.split(".", 1)[1]) for k in keys})
+            lines.append(f"- {label} ({len(keys)} entries; tables {tables}): {sorted(keys)[:20]}")
+    if wrong:
+        tables = sorted({_table_of(w.split(":")[0].split(".", 1)[1]) for w in wrong})
+        lines.append(f"- shapes differ (tables {tables}): " + "; ".join(wrong[:20]))
+    raise CheckpointMismatchError("\n".join(lines))
+
+
 def load_sharded(
     path: str | Path,
     module: nn.Module,
     optimizers: list[KeyedOptimizer],
     *,
     weights_only: bool = True,
+    load_optimizer_states: bool = True,
 ) -> dict[str, Any]:
-    """Loads a checkpoint written by :func:`save_sharded` in place. Collective.
+    """Loads a checkpoint written by :func:`save_sharded` in place, resharding. Collective.
 
     Args:
         path: the checkpoint directory.
         module: the (sharded) module to load into.
         optimizers: keyed optimizers to load into (may be empty: weights only).
         weights_only: load Lightning's metadata with ``torch.load(weights_only=...)``.
+        load_optimizer_states: False loads the weights, the hyper-parameters and step counters
+            but leaves the optimizer *state* as it is (e.g. after a plan change that reshapes the
+            fused optimizer's state).
 
     Returns:
         Lightning's metadata (the checkpoint dict without model and optimizer states).
 
     Raises:
         FileNotFoundError: if ``path`` is not a complete sharded checkpoint.
-        KeyError: if the checkpoint lacks the optimizer states to load.
+        CheckpointMismatchError: if the model or the optimizer state does not fit the checkpoint.
+        pickle.UnpicklingError: if the metadata holds code and ``weights_only`` is True.
     """
     path = Path(path)
     if not is_sharded_checkpoint(path):
@@ -152,23 +321,28 @@ def load_sharded(
             f"{path} is not a complete sharded checkpoint (a directory with DCP '.metadata' and "
             f"'{META_FILE}'); it may be missing or its save was interrupted."
         )
-    meta = torch.load(path / META_FILE, map_location="cpu", weights_only=weights_only)
-    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    meta = load_meta(path, weights_only=weights_only)
     model_sd = module.state_dict()
-    state: dict[str, Any] = {_MODEL_KEY: model_sd}
-    for i, opt in enumerate(optimizers):
+    state: dict[str, Any] = {MODEL_KEY: model_sd}
+    check_compatible(path, state, "model")
+    for i, opt in enumerate(optimizers if load_optimizer_states else []):
         init_optimizer_state(opt)
         target = opt.state_dict()["state"]
-        if target and not any(k.startswith(_opt_key(i)) for k in stored):
-            raise KeyError(
-                f"{path} holds no state for optimizer {i} (saved with weights only?); "
-                "load it with `trainer.validate/test(ckpt_path=...)` or start a new fit."
-            )
+        try:
+            check_compatible(path, {_opt_key(i): target}, f"optimizer {i}", allow_extra=True)
+        except CheckpointMismatchError as err:
+            raise CheckpointMismatchError(
+                f"{err}\nThe optimizer state cannot be carried over (another model, or a plan "
+                "that reshapes the fused optimizer state). To continue from the weights with "
+                "fresh optimizer state, pass `TorchRecStrategy(load_optimizer_states=False)` "
+                "(or `load_sharded(..., load_optimizer_states=False)`)."
+            ) from None
         state[_opt_key(i)] = target
     dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(flatten_sharded_tensors=False))
     module.load_state_dict(model_sd)
     for i, opt in enumerate(optimizers):
-        opt.load_state_dict({"state": state[_opt_key(i)]})
+        if _opt_key(i) in state:
+            opt.load_state_dict({"state": state[_opt_key(i)]})
         _load_hyper_params(path, i, opt)
     return meta
 
@@ -179,6 +353,9 @@ def _load_hyper_params(path: Path, index: int, optimizer: KeyedOptimizer) -> Non
     saved = torch.load(source, map_location="cpu", weights_only=True)
     if index >= len(saved["param_groups"]):
         return
+    steps = saved.get("optimizer_steps", [])
+    if index < len(steps) and steps[index]:
+        set_optimizer_steps(optimizer, max(steps[index]))
     groups = saved["param_groups"][index]
     current = list(optimizer.param_groups)
     if len(groups) != len(current):

@@ -1,0 +1,203 @@
+"""Exact resume and resharding on 2 ranks (run as a script; Lightning relaunches it).
+
+Phases, all in one launch:
+1. ``full``: 30 uninterrupted steps (3 epochs of 10 steps per rank), a checkpoint at each epoch end;
+2. ``part``: a fresh run stopped after 20 steps (its epoch-end checkpoint is the resume point);
+3. ``resume``: a fresh model and trainer resume that checkpoint and run to step 30;
+4. ``cw``: a fresh model under a column-wise plan restores the table-wise checkpoint (weights
+   only: ``load_optimizer_states=False``); loading its optimizer state too is attempted directly;
+   the plain weights consolidated from the checkpoint are loaded into it as well.
+
+Per-step losses, learning rates (dense, and the one each fused kernel uses) and local state
+snapshots go to ``{phase}_*_rank{r}.pt`` in argv[1].
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torchrec.distributed.planner.types import ParameterConstraints
+
+from lightning_torchrec import DLRMClickModule, SyntheticClickData, TorchRecStrategy
+from lightning_torchrec.checkpoint import CheckpointMismatchError, load_sharded, optimizer_steps
+from lightning_torchrec.consolidate import consolidate, load_plain_weights
+
+OUT = Path(sys.argv[1])
+TABLES = 4
+EPOCHS, STOP_EPOCHS = 3, 2  # 10 steps per epoch and rank
+STOP = 20
+EBC = "model_and_loss.model.sparse_arch.embedding_bag_collection"
+
+
+def local_view(value: Any) -> Any:
+    if hasattr(value, "local_shards"):
+        return [
+            (tuple(s.metadata.shard_offsets), s.tensor.detach().clone())
+            for s in value.local_shards()
+        ]
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: local_view(v) for k, v in value.items()}
+    return value
+
+
+def kernel_lrs(opt: Any) -> list[float]:
+    from torchrec.optim.keyed import CombinedOptimizer
+
+    if isinstance(opt, CombinedOptimizer):
+        return [lr for _, o in opt.optimizers for lr in kernel_lrs(o)]
+    return [opt._emb_module.get_learning_rate()]
+
+
+def snapshot(trainer: L.Trainer, module: L.LightningModule) -> dict[str, Any]:
+    snap: dict[str, Any] = {"model": local_view(module.state_dict()), "step": trainer.global_step}
+    if trainer.optimizers:
+        opt = trainer.optimizers[0]
+        snap["optim"] = local_view(opt.state_dict()["state"])
+        snap["lrs"] = [g["lr"] for g in opt.param_groups]
+        snap["optimizer_steps"] = optimizer_steps(opt)
+    return snap
+
+
+class Recorder(Callback):
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+        self.steps: dict[int, dict[str, Any]] = {}
+        self.batches: dict[int, tuple[int, int, float]] = {}
+
+    def _save(self, name: str, obj: Any, trainer: L.Trainer) -> None:
+        torch.save(obj, OUT / f"{self.tag}_{name}_rank{trainer.global_rank}.pt")
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: Any, loss: torch.Tensor) -> None:
+        opt = trainer.optimizers[0]
+        self.steps[trainer.global_step + 1] = {
+            "loss": loss.detach().clone(),
+            "dense_lr": opt.param_groups[0]["lr"],
+            "kernel_lrs": kernel_lrs(opt.fused),
+        }
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.batches[trainer.global_step + 1] = (
+            trainer.current_epoch,
+            batch_idx,
+            float(batch.dense_features.sum()),
+        )
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._save("start", snapshot(trainer, pl_module), trainer)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._save("end", snapshot(trainer, pl_module), trainer)
+        self._save("steps", self.steps, trainer)
+        self._save("batches", self.batches, trainer)
+
+
+def make(tag: str, max_epochs: int, ckpt: ModelCheckpoint | None = None, **strategy: Any):
+    L.seed_everything(11)
+    data = SyntheticClickData(
+        num_embeddings=40,
+        num_sparse_features=TABLES,
+        ids_per_feature=2,
+        batch_size=64,
+        train_batches=20,
+        seed=5,
+    )
+    model = DLRMClickModule(
+        data.num_embeddings_per_feature,
+        embedding_dim=8,
+        dense_arch_layer_sizes=[16, 8],
+        over_arch_layer_sizes=[16, 1],
+        optimizer=lambda p: torch.optim.Adam(p, lr=1e-2),
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=STOP, gamma=0.5),
+    )
+    if "plan" not in strategy:
+        strategy["constraints"] = {
+            f"t_cat_{i}": ParameterConstraints(sharding_types=["table_wise"]) for i in range(TABLES)
+        }
+    recorder = Recorder(tag)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=TorchRecStrategy(fused_params={"learning_rate": 0.1}, log_plan=False, **strategy),
+        max_epochs=max_epochs,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[recorder] + ([ckpt] if ckpt else []),
+        enable_checkpointing=ckpt is not None,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        default_root_dir=OUT,
+    )
+    return data, model, trainer
+
+
+def epoch_checkpoints(name: str) -> ModelCheckpoint:
+    return ModelCheckpoint(
+        dirpath=OUT / name, every_n_epochs=1, save_top_k=-1, save_on_train_epoch_end=True
+    )
+
+
+def column_wise_plan(model: DLRMClickModule) -> Any:
+    from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan
+    from torchrec.distributed.types import ShardingPlan
+
+    ebc = model.get_submodule(EBC)
+    per_table = {
+        f"t_cat_{i}": column_wise(ranks=[0, 1], compute_kernel="fused") for i in range(TABLES)
+    }
+    return ShardingPlan(
+        {EBC: construct_module_sharding_plan(ebc, per_table, world_size=2, device_type="cpu")}
+    )
+
+
+def main() -> None:
+    data, model, trainer = make("full", EPOCHS, epoch_checkpoints("full"))
+    trainer.fit(model, datamodule=data)
+
+    data, model, trainer = make("part", STOP_EPOCHS, epoch_checkpoints("part"))
+    trainer.fit(model, datamodule=data)
+    ckpt = OUT / "part" / f"epoch=1-step={STOP}.ckpt"
+
+    data, model, trainer = make("resume", EPOCHS)
+    trainer.fit(model, datamodule=data, ckpt_path=ckpt)
+
+    rank = trainer.global_rank
+    plain = OUT / "plain.safetensors"
+    if rank == 0:
+        consolidate(ckpt, plain)
+    trainer.strategy.barrier()
+
+    # Column-wise: restore (no steps: already at max_epochs) from the table-wise checkpoint.
+    data, model, _ = make("cw", 1)
+    data, model, trainer = make(
+        "cw", STOP_EPOCHS, plan=column_wise_plan(model), load_optimizer_states=False
+    )
+    trainer.fit(model, datamodule=data, ckpt_path=ckpt)
+    info: dict[str, Any] = {"plan": trainer.strategy.plan_summary}
+    info["restored"] = snapshot(trainer, model)
+    try:
+        load_sharded(ckpt, model, [trainer.optimizers[0]])
+        info["optimizer_load"] = "ok"
+        info["after_optimizer_load"] = snapshot(trainer, model)
+    except CheckpointMismatchError as err:
+        info["optimizer_load"] = str(err)
+    with torch.no_grad():
+        for value in model.state_dict().values():
+            for shard in getattr(value, "local_shards", list)():
+                shard.tensor.zero_()
+    info["plain_keys"] = load_plain_weights(model, plain)
+    info["after_plain"] = snapshot(trainer, model)
+    torch.save(info, OUT / f"cw_info_rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()

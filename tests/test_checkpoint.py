@@ -1,0 +1,209 @@
+"""Single-process (world size 1) tests of sharded checkpoints: safety, atomicity, consolidation."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torchrec.distributed.planner.types import ParameterConstraints
+
+from lightning_torchrec import DLRMClickModule, SyntheticClickData, TorchRecStrategy
+from lightning_torchrec.checkpoint import (
+    META_FILE,
+    CheckpointMismatchError,
+    is_sharded_checkpoint,
+    optimizer_steps,
+    set_optimizer_steps,
+)
+from lightning_torchrec.consolidate import consolidate, load_plain_weights, main, read_plain
+
+ROWS = 60
+
+
+def data(tables: int = 2) -> SyntheticClickData:
+    return SyntheticClickData(
+        num_embeddings=ROWS, num_sparse_features=tables, batch_size=16, train_batches=6
+    )
+
+
+def dlrm(rows: list[int] | None = None, dim: int = 4) -> DLRMClickModule:
+    return DLRMClickModule(
+        rows or [ROWS, ROWS],
+        embedding_dim=dim,
+        dense_arch_layer_sizes=[dim],
+        over_arch_layer_sizes=[4, 1],
+        optimizer=lambda p: torch.optim.Adam(p, lr=1e-2),
+    )
+
+
+def trainer(root: Path, tables: int = 2, **kwargs: Any) -> L.Trainer:
+    defaults: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        default_root_dir=root,
+    )
+    defaults.update(kwargs)
+    constraints = {
+        f"t_cat_{i}": ParameterConstraints(sharding_types=["table_wise"]) for i in range(tables)
+    }
+    strategy = TorchRecStrategy(constraints=constraints, log_plan=False)
+    return L.Trainer(strategy=strategy, **defaults)
+
+
+def plain_state(module: L.LightningModule) -> dict[str, torch.Tensor]:
+    """World size 1: every table has one local shard holding all of it."""
+    out = {}
+    for k, v in module.state_dict().items():
+        if hasattr(v, "local_shards"):
+            (shard,) = v.local_shards()
+            v = shard.tensor
+        out[k] = v.detach().clone()
+    return out
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    root = tmp_path_factory.mktemp("fit")
+    model = dlrm()
+    t = trainer(root)
+    t.fit(model, datamodule=data())
+    set_optimizer_steps(t.optimizers[0], 17)
+    t.save_checkpoint(root / "done.ckpt")
+    return root / "done.ckpt", plain_state(model)
+
+
+def test_checkpoint_restores_fused_step_counter(fitted, tmp_path: Path) -> None:
+    ckpt, _ = fitted
+    model = dlrm()
+    t = trainer(tmp_path, max_steps=3)
+    t.fit(model, datamodule=data(), ckpt_path=ckpt)  # already at max_steps: restores only
+    steps = optimizer_steps(t.optimizers[0])
+    assert steps and set(steps) == {17}
+
+
+def test_consolidate_streams_plain_state_dict_and_command(fitted, tmp_path: Path) -> None:
+    ckpt, expected = fitted
+    out = consolidate(ckpt, tmp_path / "model.safetensors")
+    got = read_plain(out)
+    assert set(got) == set(expected)
+    for k, v in expected.items():
+        assert torch.equal(got[k], v), k
+    main([str(ckpt), str(tmp_path / "model.pt")])
+    as_pt = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert set(as_pt) == set(expected) and all(torch.equal(as_pt[k], v) for k, v in got.items())
+    table = (
+        "model_and_loss.model.sparse_arch.embedding_bag_collection.embedding_bags.t_cat_1.weight"
+    )
+    assert list(read_plain(out, [table])) == [table]
+    # The plain file serves an unsharded model in one process.
+    plain = dlrm()
+    plain.model_and_loss.model.sparse_arch.embedding_bag_collection.to_empty(device="cpu")
+    plain.load_state_dict(as_pt)
+    assert torch.equal(plain.state_dict()[table], expected[table])
+
+
+def test_plain_weights_initialise_a_sharded_model(fitted, tmp_path: Path) -> None:
+    ckpt, expected = fitted
+    out = consolidate(ckpt, tmp_path / "model.safetensors")
+    model = dlrm()
+    t = trainer(tmp_path)
+    t.validate(model, datamodule=data(), verbose=False)  # shards the model
+    assert not torch.equal(plain_state(model)[next(iter(expected))], expected[next(iter(expected))])
+    loaded = load_plain_weights(model, out)
+    assert set(loaded) == set(expected)
+    for k, v in plain_state(model).items():
+        assert torch.equal(v, expected[k]), k
+    with pytest.raises(ValueError, match="t_cat_2"):
+        load_plain_weights(model, {**expected, "x.embedding_bags.t_cat_2.weight": torch.ones(1)})
+
+
+def test_checkpoint_of_another_model_fails_naming_tables(fitted, tmp_path: Path) -> None:
+    ckpt, _ = fitted
+    model = dlrm([ROWS + 1, ROWS, ROWS])
+    with pytest.raises(CheckpointMismatchError) as err:
+        trainer(tmp_path, tables=3).validate(model, datamodule=data(3), ckpt_path=ckpt)
+    msg = str(err.value)
+    assert "missing from the checkpoint" in msg and "t_cat_2" in msg
+    (shapes,) = [line for line in msg.splitlines() if line.startswith("- shapes differ")]
+    assert "'t_cat_0'" in shapes and "checkpoint [60, 4], target [61, 4]" in shapes
+    assert "'t_cat_1'" not in shapes
+
+
+def test_metadata_carrying_code_is_refused(fitted, tmp_path: Path) -> None:
+    import shutil
+
+    ckpt, _ = fitted
+    bad = tmp_path / "bad.ckpt"
+    shutil.copytree(ckpt, bad)
+    meta = torch.load(bad / META_FILE, weights_only=True)
+    meta["payload"] = print  # a pickled callable: loading it could run code
+    torch.save(meta, bad / META_FILE)
+    with pytest.raises(pickle.UnpicklingError, match="Refusing to load .*meta.pt"):
+        trainer(tmp_path).validate(dlrm(), datamodule=data(), ckpt_path=bad)
+
+
+def test_interrupted_save_keeps_the_previous_last_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    ckpt_cb = ModelCheckpoint(dirpath=tmp_path / "ck", save_last=True, every_n_train_steps=2)
+    t = trainer(tmp_path, max_steps=2, callbacks=[ckpt_cb], enable_checkpointing=True)
+    model = dlrm()
+    t.fit(model, datamodule=data())
+    last = tmp_path / "ck" / "last.ckpt"
+    assert is_sharded_checkpoint(last)
+    before = torch.load(last / META_FILE, weights_only=True)["global_step"]
+
+    real_save = torch.save
+
+    def dying_save(obj: Any, f: Any, *a: Any, **k: Any) -> None:
+        if str(f).endswith(META_FILE):
+            raise KeyboardInterrupt("killed while writing")
+        real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        t.save_checkpoint(last)
+    monkeypatch.undo()
+    partial = tmp_path / "ck" / ".last.ckpt.partial"
+    assert partial.is_dir() and (partial / ".metadata").is_file()
+    assert not is_sharded_checkpoint(partial)
+    assert is_sharded_checkpoint(last)
+    assert torch.load(last / META_FILE, weights_only=True)["global_step"] == before == 2
+    # "last" resolves to the complete checkpoint, never to the partial one.
+    t2 = trainer(
+        tmp_path,
+        max_steps=3,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck")],
+        enable_checkpointing=True,
+    )
+    t2.fit(dlrm(), datamodule=data(), ckpt_path="last")
+    assert t2.ckpt_path is not None and Path(t2.ckpt_path).name == "last.ckpt"
+    assert t2.global_step == 3
+
+
+def test_top_k_keeps_and_deletes_whole_directories(tmp_path: Path) -> None:
+    ckpt_cb = ModelCheckpoint(
+        dirpath=tmp_path / "ck",
+        monitor="train/loss",
+        save_top_k=2,
+        every_n_train_steps=1,
+        save_last=True,
+    )
+    t = trainer(tmp_path, max_steps=6, callbacks=[ckpt_cb], enable_checkpointing=True)
+    t.fit(dlrm(), datamodule=data())
+    entries = sorted(p.name for p in (tmp_path / "ck").iterdir())
+    kept = sorted(Path(p).name for p in ckpt_cb.best_k_models)
+    assert len(kept) == 2
+    assert entries == sorted([*kept, "last.ckpt"]), entries  # nothing partial or half-deleted
+    for name in entries:
+        assert is_sharded_checkpoint(tmp_path / "ck" / name)

@@ -1,0 +1,164 @@
+"""Sharded checkpoints on two real gloo ranks: exact resume, resharding, plain weights.
+
+One launch (tests/scripts/checkpoint_two_ranks.py) runs every phase; these tests read what each
+rank recorded. The one-rank load of the two-rank checkpoint runs in this process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torchrec.distributed.planner.types import ParameterConstraints
+
+from lightning_torchrec import DLRMClickModule, SyntheticClickData, TorchRecStrategy
+from lightning_torchrec.checkpoint import optimizer_steps
+from lightning_torchrec.consolidate import read_plain
+from tests.helpers import assert_same, load_ranks, run_script
+
+TABLES = [f"t_cat_{i}" for i in range(4)]
+EBC = "model_and_loss.model.sparse_arch.embedding_bag_collection"
+CKPT = Path("part") / "epoch=1-step=20.ckpt"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("checkpoint_two_ranks")
+    run_script("checkpoint_two_ranks.py", str(out))
+    return out
+
+
+def table_key(table: str) -> str:
+    return f"{EBC}.embedding_bags.{table}.weight"
+
+
+def assemble(snaps: list[dict[str, Any]], key: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """The whole table from every rank's ``(offsets, local shard)`` pieces; NaN where none."""
+    full = torch.full(shape, float("nan"))
+    for snap in snaps:
+        for offsets, shard in snap["model"][key]:
+            index = tuple(slice(o, o + n) for o, n in zip(offsets, shard.shape, strict=True))
+            full[index] = shard
+    return full
+
+
+def test_resumed_run_matches_uninterrupted_run_bit_for_bit(run: Path) -> None:
+    for rank in range(2):
+        full, part = load_ranks(run, "full_steps")[rank], load_ranks(run, "part_steps")[rank]
+        resumed = load_ranks(run, "resume_steps")[rank]
+        assert sorted(part) == list(range(1, 21)) and sorted(resumed) == list(range(21, 31))
+        assert all(torch.equal(full[s]["loss"], part[s]["loss"]) for s in part)
+        for step, rec in resumed.items():
+            assert torch.equal(rec["loss"], full[step]["loss"]), f"rank {rank} step {step}"
+            assert rec["dense_lr"] == full[step]["dense_lr"], step
+            assert rec["kernel_lrs"] == full[step]["kernel_lrs"], step
+        # StepLR halved both LRs after step 20: the first resumed step already uses them.
+        assert full[20]["kernel_lrs"] == [pytest.approx(0.1)]
+        assert resumed[21]["kernel_lrs"] == [pytest.approx(0.05)]
+        assert resumed[21]["dense_lr"] == pytest.approx(5e-3)
+    batches = load_ranks(run, "full_batches"), load_ranks(run, "resume_batches")
+    for rank in range(2):  # the same batches in the same order after the resume
+        assert all(batches[1][rank][s] == batches[0][rank][s] for s in range(21, 31))
+
+
+def test_resume_restores_everything_and_ends_in_the_same_state(run: Path) -> None:
+    part_end, restored = load_ranks(run, "part_end"), load_ranks(run, "resume_start")
+    full_end, resume_end = load_ranks(run, "full_end"), load_ranks(run, "resume_end")
+    for rank in range(2):
+        assert_same(part_end[rank], restored[rank], f"rank{rank}/restored")
+        assert_same(full_end[rank], resume_end[rank], f"rank{rank}/end")
+        optim = full_end[rank]["optim"]
+        assert any(k.startswith("dense.") for k in optim)
+        assert any(k.startswith("embedding.") for k in optim)
+        # The fused kernels' step counter lives outside every state dict; it is restored too.
+        assert restored[rank]["optimizer_steps"] == [20]
+        assert resume_end[rank]["optimizer_steps"] == full_end[rank]["optimizer_steps"] == [30]
+
+
+def test_column_wise_plan_restores_every_table_value(run: Path) -> None:
+    info = load_ranks(run, "cw_info")
+    assert {t.sharding_type for t in info[0]["plan"].tables} == {"column_wise"}
+    plain = read_plain(run / "plain.safetensors")
+    part_end = load_ranks(run, "part_end")
+    for table in TABLES:
+        key = table_key(table)
+        for rank in range(2):  # each rank holds half of the columns
+            (piece,) = info[rank]["restored"]["model"][key]
+            assert piece[0] == (0, 4 * rank) and piece[1].shape == (40, 4)
+        restored = assemble([i["restored"] for i in info], key, (40, 8))
+        saved = assemble(part_end, key, (40, 8))  # table-wise: the owner holds all of it
+        assert torch.equal(restored, saved), table
+        assert torch.equal(plain[key], saved), table
+    for key, value in plain.items():  # dense weights too
+        if isinstance(info[0]["restored"]["model"][key], torch.Tensor):
+            assert torch.equal(info[0]["restored"]["model"][key], value), key
+
+
+def test_optimizer_state_across_plan_change_is_refused_naming_tables(run: Path) -> None:
+    for info in load_ranks(run, "cw_info"):
+        msg = info["optimizer_load"]
+        assert "shapes differ (tables ['t_cat_0', 't_cat_1', 't_cat_2', 't_cat_3'])" in msg
+        assert "t_cat_0.momentum1: checkpoint [40], target [80]" in msg
+        assert "load_optimizer_states=False" in msg
+
+
+def test_plain_weights_fill_each_ranks_shards(run: Path) -> None:
+    for info in load_ranks(run, "cw_info"):
+        assert {table_key(t) for t in TABLES} <= set(info["plain_keys"])
+        assert_same(info["restored"]["model"], info["after_plain"]["model"])
+
+
+def test_two_rank_checkpoint_loads_on_one_rank(run: Path) -> None:
+    data = SyntheticClickData(
+        num_embeddings=40,
+        num_sparse_features=4,
+        ids_per_feature=2,
+        batch_size=64,
+        train_batches=20,
+        seed=5,
+    )
+    model = DLRMClickModule(
+        data.num_embeddings_per_feature,
+        embedding_dim=8,
+        dense_arch_layer_sizes=[16, 8],
+        over_arch_layer_sizes=[16, 1],
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=TorchRecStrategy(
+            fused_params={"learning_rate": 0.1},
+            constraints={t: ParameterConstraints(sharding_types=["table_wise"]) for t in TABLES},
+            log_plan=False,
+        ),
+        max_epochs=2,  # reached: restores only
+        num_sanity_val_steps=0,  # eval forwards advance the fused step counter too
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=run,
+    )
+    trainer.fit(model, datamodule=data, ckpt_path=run / CKPT)
+    assert trainer.global_step == 20
+    plain = read_plain(run / "plain.safetensors")
+    state = model.state_dict()
+    for key, value in plain.items():
+        local = state[key]
+        if hasattr(local, "local_shards"):
+            (shard,) = local.local_shards()
+            local = shard.tensor
+        assert torch.equal(local, value), key
+    # Same plan type, other world size: the fused optimizer state reshards too.
+    part_end = load_ranks(run, "part_end")
+    optim = trainer.optimizers[0].state_dict()["state"]
+    for table in TABLES:
+        key = f"embedding.{table_key(table)}"
+        (shard,) = optim[key][f"{table}.momentum1"].local_shards()
+        owner = next(s for s in part_end if key in s["optim"])
+        ((_, saved),) = owner["optim"][key][f"{table}.momentum1"]
+        assert torch.equal(shard.tensor, saved), table
+    assert optimizer_steps(trainer.optimizers[0]) == [20]
