@@ -7,8 +7,15 @@ Importing the package registers ``Trainer(strategy="torchrec")`` (and ``"torchre
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_torchrec.callbacks import EmbeddingNormCallback, WeightNormCallback
-from lightning_torchrec.checkpoint import is_sharded_checkpoint
+from lightning_torchrec.checkpoint import CheckpointMismatchError, is_sharded_checkpoint
+from lightning_torchrec.consolidate import consolidate, load_plain_weights
 from lightning_torchrec.data import Batch, SyntheticClickData
+from lightning_torchrec.faults import (
+    NonFiniteCheckpointError,
+    NonFiniteLossError,
+    PeerFailureError,
+    PreemptionCheckpoint,
+)
 from lightning_torchrec.models import DLRMClickModule
 from lightning_torchrec.module import ModelAndLoss, TorchRecModule, weighted_bce_with_logits
 from lightning_torchrec.norms import log_ebc_norms, weights_to_log
@@ -20,6 +27,7 @@ from lightning_torchrec.optim import (
 from lightning_torchrec.planning import PlanSummary, summarize_plan
 from lightning_torchrec.sharded import log_sharded_tensor_content, maybe_shard_model
 from lightning_torchrec.strategy import TorchRecStrategy
+from lightning_torchrec.validation import BatchValidationError
 
 TorchRecStrategy.register_strategies(StrategyRegistry)
 
@@ -27,18 +35,26 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Batch",
+    "BatchValidationError",
+    "CheckpointMismatchError",
     "DLRMClickModule",
     "DenseAndFusedOptimizer",
     "EmbeddingNormCallback",
     "ModelAndLoss",
+    "NonFiniteCheckpointError",
+    "NonFiniteLossError",
+    "PeerFailureError",
     "PlanSummary",
+    "PreemptionCheckpoint",
     "SyntheticClickData",
     "TorchRecModule",
     "TorchRecStrategy",
     "WeightNormCallback",
     "combine_optimizers",
+    "consolidate",
     "dense_parameters",
     "is_sharded_checkpoint",
+    "load_plain_weights",
     "log_ebc_norms",
     "log_sharded_tensor_content",
     "maybe_shard_model",

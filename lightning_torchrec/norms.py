@@ -325,7 +325,9 @@ def log_ebc_norms(
     for key in keys:
         tensor = model_state_dict.get(key)
         if tensor is None:
-            rows.append(torch.tensor([-1.0, 0.0, 0.0, 0.0], dtype=torch.float64, device=device))
+            rows.append(
+                torch.tensor([-1.0, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64, device=device)
+            )
             continue
         info = shard_info(tensor)
         stream = _seed(seed, key, None if info.replicated else rank)
@@ -333,14 +335,18 @@ def log_ebc_norms(
         norms, n_rows = sampled_row_norms(info.shards, sample_size, generator)
         mean = norms.mean() if n_rows else torch.tensor(-1.0, dtype=torch.float64)
         weight = float(n_rows) if info.replicated or info.counted else 0.0
-        extra = torch.tensor([weight, float(info.replicated), 1.0], dtype=torch.float64)
+        cols = info.global_shape[1] if len(info.global_shape) > 1 else 1
+        split = any(sh.tensor.dim() > 1 and sh.tensor.shape[1] < cols for sh in info.shards)
+        extra = torch.tensor(
+            [weight, float(info.replicated), 1.0, float(split)], dtype=torch.float64
+        )
         rows.append(torch.cat([mean.reshape(1).to(device), extra.to(device)]))
-    stats = torch.stack(rows) if rows else torch.zeros(0, 4, dtype=torch.float64, device=device)
+    stats = torch.stack(rows) if rows else torch.zeros(0, 5, dtype=torch.float64, device=device)
     gathered = [stats]
     if world_size > 1:
         gathered = [torch.empty_like(stats) for _ in range(world_size)]
         dist.all_gather(gathered, stats)
-    every = torch.stack(gathered).cpu()  # (world_size, keys, 4)
+    every = torch.stack(gathered).cpu()  # (world_size, keys, [mean, rows, repl, present, split])
     missing = [key for i, key in enumerate(keys) if not every[:, i, 3].any()]
     if missing:
         close = {k: difflib.get_close_matches(k, list(model_state_dict), n=3) for k in missing}
@@ -361,21 +367,26 @@ def _global_means(
     seed: int,
     device: torch.device,
 ) -> dict[str, torch.Tensor]:
-    """Mean norm of whole rows per table, over a sample of global rows all ranks agree on.
+    """Mean norm of whole rows per table.
 
-    Every rank adds the squared norms of the parts of the sampled rows it holds; one all-reduce
-    (all tables together) sums them into whole-row squared norms. Exact for any sharding
-    (table-, column-, row-wise); replicated tables are computed locally, counted once.
+    Where every rank holds whole rows (table-wise, row-wise, replicated), the row-weighted mean
+    of the per-rank means is exact and free. A table split by columns on some rank needs more:
+    ranks agree on a sample of global rows, each adds the squared norms of the parts it holds,
+    and one all-reduce (all such tables together) gives whole-row squared norms.
     """
     out: dict[str, torch.Tensor] = {}
     sharded: list[tuple[str, torch.Tensor]] = []
     parts: list[torch.Tensor] = []
+    distributed = dist.is_available() and dist.is_initialized()
     for i, key in enumerate(keys):
-        if every[:, i, 2].any() or not (dist.is_available() and dist.is_initialized()):
-            # Replicated (or a single process): this rank holds whole rows.
-            means, weights = every[:, i, 0], every[:, i, 1]
-            holder = (weights > 0).nonzero().flatten()[:1]
-            out[f"{key}-norm-mean"] = means[holder[0]].float() if holder.numel() else _NONE
+        means, weights, replicated = every[:, i, 0], every[:, i, 1], every[:, i, 2]
+        if not (distributed and every[:, i, 4].any()) or replicated.any():
+            holders = (weights > 0).nonzero().flatten()[: 1 if replicated.any() else None]
+            if holders.numel():
+                overall = (means[holders] * weights[holders]).sum() / weights[holders].sum()
+                out[f"{key}-norm-mean"] = overall.float()
+            else:
+                out[f"{key}-norm-mean"] = _NONE
             continue
         tensor = model_state_dict.get(key)
         info = shard_info(tensor) if tensor is not None else None

@@ -390,3 +390,32 @@ def log_sharded_tensor_content(
     full = _assemble(shape, pieces)
     logger.info("%s (table %s), shape %s:\n%s", weight_name, table_name, tuple(shape), full)
     return full
+
+
+@torch.no_grad()
+def copy_into_shards(full_tables: dict[str, torch.Tensor], tables: dict[str, torch.Tensor]) -> None:
+    """Copies whole tensors into this rank's shards of the same tensors (tables or dense).
+
+    Args:
+        full_tables: ``{key: whole tensor}`` (e.g. the values an unsharded module held).
+        tables: ``{key: sharded or replicated tensor}`` of the sharded module, e.g.
+            ``lightning_torchrec.norms.embedding_tables(module)`` or ``module.state_dict()``.
+
+    Raises:
+        KeyError: naming a key of ``full_tables`` the sharded module does not have.
+        ValueError: naming a table whose shape differs.
+    """
+    for key, full in full_tables.items():
+        if key not in tables:
+            raise KeyError(f"table {key!r} is not in the sharded module")
+        info = shard_info(tables[key])
+        if tuple(info.global_shape) != tuple(full.shape):
+            raise ValueError(
+                f"table {key!r}: shape {tuple(full.shape)} does not match the sharded "
+                f"table's {tuple(info.global_shape)}"
+            )
+        for s in info.shards:
+            offsets = (s.row_offset, s.col_offset)[: s.tensor.dim()]
+            index = tuple(slice(o, o + n) for o, n in zip(offsets, s.tensor.shape, strict=False))
+            part = full[index] if index else full
+            s.tensor.copy_(part.to(device=s.tensor.device, dtype=s.tensor.dtype))

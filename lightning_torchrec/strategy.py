@@ -17,17 +17,22 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_torchrec.checkpoint import load_sharded, save_sharded
+from lightning_torchrec.faults import FiniteCheckpointGuard, check_loss, peer_failure
 from lightning_torchrec.optim import DenseAndFusedOptimizer, combine_optimizers
 from lightning_torchrec.planning import (
     PlanSummary,
     check_constraints_for_device,
     check_constraints_match_model,
+    check_fused_optimizer_for_device,
     check_plan,
+    check_plan_matches_model,
     default_sharders,
     has_fused_tables,
     make_topology,
+    plan_collectively,
     summarize_plan,
 )
+from lightning_torchrec.validation import dense_width, feature_specs, validate_collectively
 
 if TYPE_CHECKING:
     from torchrec.distributed.model_parallel import DataParallelWrapper, DistributedModelParallel
@@ -60,6 +65,9 @@ class TorchRecStrategy(DDPStrategy):
         allow_fused_gradient_accumulation: fused tables update at every backward, so
             ``accumulate_grad_batches > 1`` does not accumulate them; set True to accept that.
         log_plan: print the plan at start and write it to the loggers.
+        load_optimizer_states: False resumes from a checkpoint's weights, hyper-parameters and
+            training progress with fresh optimizer state (needed when a plan change reshapes the
+            fused optimizer state; loading it raises a ``CheckpointMismatchError`` naming it).
         accelerator: see ``DDPStrategy``.
         parallel_devices: see ``DDPStrategy``.
         cluster_environment: see ``DDPStrategy``.
@@ -68,9 +76,19 @@ class TorchRecStrategy(DDPStrategy):
         process_group_backend: ``"gloo"``/``"nccl"``; defaults to the device's.
         timeout: collective timeout.
         start_method: ``"popen"`` (scripts), ``"spawn"`` or ``"fork"`` (notebooks).
+        validate_batches: check each batch against the tables before the forward (ids in
+            range, known keys, lengths, dtypes, finite dense features; see
+            ``lightning_torchrec.validation``); an int ``N`` checks the first ``N`` training
+            steps (and validation batches) only, False never. Costs one vectorised pass over
+            the ids and one tiny ``all_reduce`` per checked step.
+        on_nonfinite_loss: ``"raise"``: a NaN/inf loss on any rank raises a
+            ``NonFiniteLossError`` naming the step and ranks on every rank, before the backward;
+            ``"ignore"``. Raising costs one tiny ``all_reduce`` per step (a device sync on CUDA).
+        check_finite_checkpoints: refuse to save a checkpoint holding NaN/inf weights.
 
     Raises:
-        ValueError: if both ``sharders`` and ``fused_params`` are given.
+        ValueError: if both ``sharders`` and ``fused_params`` are given, or for an unknown
+            ``on_nonfinite_loss``.
     """
 
     strategy_name = "torchrec"
@@ -85,6 +103,7 @@ class TorchRecStrategy(DDPStrategy):
         data_parallel_wrapper: DataParallelWrapper | None = None,
         allow_fused_gradient_accumulation: bool = False,
         log_plan: bool = True,
+        load_optimizer_states: bool = True,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -93,12 +112,19 @@ class TorchRecStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        validate_batches: bool | int = True,
+        on_nonfinite_loss: Literal["raise", "ignore"] = "raise",
+        check_finite_checkpoints: bool = True,
     ) -> None:
         if sharders is not None and fused_params is not None:
             raise ValueError(
                 "Pass `fused_params` to your sharders (e.g. "
                 "EmbeddingBagCollectionSharder(fused_params=...)) or pass no sharders; "
                 "TorchRecStrategy cannot apply `fused_params` to sharders it did not build."
+            )
+        if on_nonfinite_loss not in ("raise", "ignore"):
+            raise ValueError(
+                f"on_nonfinite_loss must be 'raise' or 'ignore', got {on_nonfinite_loss!r}"
             )
         super().__init__(
             accelerator=accelerator,
@@ -118,9 +144,15 @@ class TorchRecStrategy(DDPStrategy):
         self._data_parallel_wrapper = data_parallel_wrapper
         self.allow_fused_gradient_accumulation = allow_fused_gradient_accumulation
         self.log_plan = log_plan
+        self.load_optimizer_states = load_optimizer_states
         self._dmp: DistributedModelParallel | None = None
         self._sharded_module: L.LightningModule | None = None
         self.plan_summary: PlanSummary | None = None
+        self.validate_batches = validate_batches
+        self.on_nonfinite_loss = on_nonfinite_loss
+        self.check_finite_checkpoints = check_finite_checkpoints
+        self._feature_specs: dict[str, Any] = {}
+        self._dense_width: int | None = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -150,6 +182,15 @@ class TorchRecStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ setup
     @override
+    def _configure_launcher(self) -> None:
+        if self._start_method == "popen":
+            super()._configure_launcher()
+            return
+        from lightning_torchrec.launcher import ShardedResultsLauncher
+
+        self._launcher = ShardedResultsLauncher(self, start_method=self._start_method)
+
+    @override
     def setup(self, trainer: L.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
@@ -161,6 +202,10 @@ class TorchRecStrategy(DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self._check_fit_config(trainer)
             self.setup_optimizers(trainer)
+            if self.check_finite_checkpoints and not any(
+                isinstance(c, FiniteCheckpointGuard) for c in trainer.callbacks
+            ):
+                trainer.callbacks.append(FiniteCheckpointGuard())
         self.setup_precision_plugin()
 
     @override
@@ -219,16 +264,23 @@ class TorchRecStrategy(DDPStrategy):
         pg = dist.group.WORLD
         check_constraints_for_device(self._constraints, self.compute_device)
         check_constraints_match_model(self._constraints, module)
+        if self._plan is not None:
+            check_plan_matches_model(self._plan, module)
         sharders = self._sharders or default_sharders(self._fused_params)
+        check_fused_optimizer_for_device(sharders, self.compute_device)
         if self._plan is None:
             planner = self._planner or EmbeddingShardingPlanner(
                 topology=make_topology(self.world_size, self.num_processes, self.compute_device),
                 constraints=self._constraints,
             )
-            self._plan = planner.collective_plan(module, sharders, pg)
+            topology = getattr(planner, "_topology", None)
+            self._plan = plan_collectively(planner, module, sharders, pg, topology)
+        self._feature_specs = feature_specs(module)  # before sharding replaces the configs
+        self._dense_width = dense_width(module)
         check_plan(self._plan, self.world_size, self.compute_device)
         if trainer.state.fn == TrainerFn.FITTING and has_fused_tables(self._plan):
             self._check_fused_config(trainer)
+        materialized = self._materialized_tables(module)
         self.plan_summary = summarize_plan(module, self._plan, self.world_size)
         if self.log_plan:
             self._log_plan(trainer, self.plan_summary)
@@ -241,6 +293,27 @@ class TorchRecStrategy(DDPStrategy):
             data_parallel_wrapper=self._data_parallel_wrapper,
         )
         self._sharded_module = module
+        if materialized:
+            from lightning_torchrec.norms import embedding_tables
+            from lightning_torchrec.sharded import copy_into_shards
+
+            # DistributedModelParallel re-initialises shards; keep the values the user built.
+            copy_into_shards(materialized, embedding_tables(module))
+
+    @staticmethod
+    def _materialized_tables(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        from lightning_torchrec.norms import embedding_tables
+
+        tables = {k: t for k, t in embedding_tables(module).items() if t.device.type != "meta"}
+        if tables:
+            size = sum(t.numel() * t.element_size() for t in tables.values())
+            rank_zero_warn(
+                f"{len(tables)} embedding tables ({size / 2**20:.1f} MiB) were built whole on "
+                "every rank before sharding; their values are copied into the shards. Build "
+                "them on the meta device (EmbeddingBagCollection(..., device=torch.device("
+                "'meta'))) so no rank ever holds a table it does not own."
+            )
+        return {k: t.detach() for k, t in tables.items()}
 
     def _log_plan(self, trainer: L.Trainer, summary: PlanSummary) -> None:
         if not self.is_global_zero:
@@ -286,7 +359,29 @@ class TorchRecStrategy(DDPStrategy):
         # The fused kernels read the LR during backward; a scheduler's change made after the
         # last step must reach them before this forward (and the first step after a resume).
         self._push_fused_lr()
-        return super().training_step(*args, **kwargs)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        step = trainer.global_step if trainer is not None else 0
+        try:
+            self._validate(args[0] if args else kwargs.get("batch"), step)
+            output = super().training_step(*args, **kwargs)
+            return check_loss(output, step, self.on_nonfinite_loss, self.root_device)
+        except RuntimeError as e:
+            raise (peer_failure(e, self._timeout) or e) from e
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        try:
+            self._validate(args[0] if args else kwargs.get("batch"), int(batch_idx))
+            return super().validation_step(*args, **kwargs)
+        except RuntimeError as e:
+            raise (peer_failure(e, self._timeout) or e) from e
+
+    def _validate(self, batch: Any, step: int) -> None:
+        if self.validate_batches is True or step < self.validate_batches:
+            validate_collectively(
+                batch, self._feature_specs, self._dense_width, step, self.root_device
+            )
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -326,9 +421,26 @@ class TorchRecStrategy(DDPStrategy):
             self.lightning_module,
             optimizers,
             weights_only=True if weights_only is None else weights_only,
+            load_optimizer_states=self.load_optimizer_states,
         )
         self._push_fused_lr()
         return meta
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        # Lightning creates the first epoch's iterator before it sets the sampler's epoch and does
+        # not re-create it after a resume: a run resumed at epoch e would replay epoch 0's
+        # shuffle. Setting the restored epoch here (after the checkpoint is loaded, before the
+        # iterator exists) makes resumed runs see the same order as uninterrupted ones.
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            epoch = trainer.fit_loop.epoch_progress.current.processed
+            batch_sampler = getattr(dataloader, "batch_sampler", None)
+            for sampler in (getattr(dataloader, "sampler", None), batch_sampler):
+                for s in (sampler, getattr(sampler, "sampler", None)):
+                    if callable(getattr(s, "set_epoch", None)):
+                        s.set_epoch(epoch)
+        return dataloader
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

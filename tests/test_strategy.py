@@ -171,6 +171,9 @@ class PlainEBCModule(L.LightningModule):
         logits = self.head(torch.cat([pooled, batch.dense_features], dim=1)).squeeze(-1)
         return torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
 
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.ebc(batch.sparse_features).values()
+
     def configure_optimizers(self) -> Any:
         params = dense_parameters(self) if self.dense_only else self.parameters()
         opt = torch.optim.SGD(params, lr=0.1)
@@ -261,3 +264,83 @@ def test_validate_and_predict_without_fit_shard_the_model() -> None:
     assert t.strategy.dmp is dmp, "the model is sharded once and reused"
     assert len(preds) == 2 and preds[0].shape == (32,)
     assert ((preds[0] > 0) & (preds[0] < 1)).all()
+
+
+def test_tables_built_off_meta_keep_their_values_in_the_shards() -> None:
+    from lightning_torchrec.norms import embedding_tables
+    from lightning_torchrec.sharded import shard_info
+
+    model = PlainEBCModule()
+    cfgs = model.ebc.embedding_bag_configs()
+    model.ebc = EmbeddingBagCollection(tables=cfgs)  # materialised on CPU
+    with torch.no_grad():
+        for i, p in enumerate(model.ebc.parameters()):
+            p.copy_(torch.arange(p.numel(), dtype=torch.float32).reshape(p.shape) + 1000 * i)
+    full = {k: t.detach().clone() for k, t in embedding_tables(model).items()}
+    strategy = TorchRecStrategy(
+        constraints={
+            "item_table": ParameterConstraints(sharding_types=["column_wise"], min_partition=2),
+            "user_table": ParameterConstraints(sharding_types=["table_wise"]),
+        }
+    )
+    t = trainer(strategy, max_steps=1)
+    with pytest.warns(UserWarning, match="built whole on every rank"):
+        t.predict(model, datamodule=data())  # shards without training
+    for key, table in embedding_tables(model).items():
+        info = shard_info(table)
+        for s in info.shards:
+            rows, cols = s.tensor.shape
+            expected = full[key][
+                s.row_offset : s.row_offset + rows, s.col_offset : s.col_offset + cols
+            ]
+            assert torch.equal(s.tensor, expected), key
+
+
+def test_data_parallel_tables_train_exactly_like_torch() -> None:
+    """fbgemm warns its CPU dense lookup lacks an autograd kernel; the update is still exact."""
+    import copy
+
+    from lightning_torchrec.norms import embedding_tables
+
+    class DP(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ebc = EmbeddingBagCollection(
+                tables=[
+                    EmbeddingBagConfig(
+                        name="dp", embedding_dim=4, num_embeddings=ROWS, feature_names=["cat_0"]
+                    )
+                ]
+            )
+            with torch.no_grad():
+                w = torch.randn(ROWS, 4, generator=torch.Generator().manual_seed(0))
+                self.ebc.embedding_bags["dp"].weight.copy_(w)
+            self.head = torch.nn.Linear(4, 1)
+
+        def training_step(self, b: Any, i: int) -> torch.Tensor:
+            logits = self.head(self.ebc(b.sparse_features).values()).squeeze(-1)
+            return torch.nn.functional.binary_cross_entropy_with_logits(logits, b.labels)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(dense_parameters(self), lr=1.0)
+
+    dataset = SyntheticClickData(
+        num_embeddings=ROWS, num_sparse_features=1, batch_size=32, train_batches=8
+    ).dataset("train")
+    model = DP()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(reference.parameters(), lr=1.0)
+    for i in range(2):
+        opt.zero_grad()
+        reference.training_step(dataset[i], i).backward()
+        opt.step()
+
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, shuffle=False)
+    strategy = TorchRecStrategy(
+        constraints={"dp": ParameterConstraints(sharding_types=["data_parallel"])}
+    )
+    trainer(strategy, max_steps=2, use_distributed_sampler=False).fit(model, loader)
+    (table,) = embedding_tables(model).values()
+    expected = reference.ebc.embedding_bags["dp"].weight
+    torch.testing.assert_close(table.detach(), expected.detach(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(model.head.weight, reference.head.weight, rtol=0, atol=1e-6)
