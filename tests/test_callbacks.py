@@ -186,6 +186,8 @@ def test_resumed_run_logs_no_duplicate_or_stale_points(tmp_path) -> None:
         logger=[resumed],
         enable_progress_bar=False,
         enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
         num_sanity_val_steps=0,
         limit_val_batches=0,
         callbacks=[WeightNormCallback(every_n_steps=2)],
