@@ -4,11 +4,11 @@ Every decision here is collective: a rank that finds a problem tells the others 
 small ``all_reduce`` before anyone enters a collective the failing rank would skip, so all
 ranks raise (or skip, or save) together instead of waiting for the collective timeout.
 
-* :func:`check_loss` (used by ``TorchRecStrategy(on_nonfinite_loss="raise")``): a NaN/inf loss
-  on any rank raises :class:`NonFiniteLossError` on every rank, naming the step and the ranks,
-  before the backward, so neither dense nor fused tables take the step. (Skipping the step
-  instead is not offered: Lightning refuses a ``None`` loss in distributed training, and a zero
-  loss would still move momentum-based optimizers.)
+* :class:`StepGuard` (used by ``TorchRecStrategy``): one ``all_reduce`` per training step carries
+  this step's batch-validation verdict and the previous step's loss verdict; a NaN/inf loss on
+  any rank raises :class:`NonFiniteLossError` on every rank at the next step, naming the step
+  and the ranks. (Skipping the step instead is not offered: Lightning refuses a ``None`` loss in
+  distributed training, and a zero loss would still move momentum-based optimizers.)
 * :class:`FiniteCheckpointGuard` (added by ``TorchRecStrategy(check_finite_checkpoints=True)``):
   refuses to save a checkpoint holding a non-finite weight, naming the tensor; the previous
   checkpoint stays intact.
@@ -75,34 +75,101 @@ def _loss_of(output: Any) -> torch.Tensor | None:
     return None
 
 
-def check_loss(output: Any, step: int, mode: str, device: torch.device | None = None) -> Any:
-    """Acts on a non-finite training loss, collectively.
+class StepGuard:
+    """The per-step checks of a training step, decided in ONE collective.
+
+    Before the forward of step ``t`` every rank contributes, in one ``all_reduce``, whether its
+    batch of step ``t`` failed validation and whether its loss of step ``t - 1`` was non-finite.
+    The batch check must precede the forward (a bad id can fail on one rank mid-collective while
+    the others wait); the loss verdict rides along one step late, so it costs no collective and
+    no device sync of its own. A non-finite loss therefore stops the run at the next step (or at
+    the end of training, :meth:`flush`): that step's update has been applied, so in-memory
+    weights may be non-finite, but :class:`FiniteCheckpointGuard` keeps them out of checkpoints.
 
     Args:
-        output: what ``training_step`` returned (a loss tensor or a mapping with ``"loss"``).
-        step: the global step, for the message.
-        mode: ``"raise"`` or ``"ignore"``.
-        device: the collective's device.
-
-    Returns:
-        ``output``.
-
-    Raises:
-        NonFiniteLossError: in ``"raise"`` mode, naming the step and the ranks.
+        on_nonfinite_loss: ``"raise"`` or ``"ignore"``.
+        device: the collective's device (CPU for gloo, CUDA for nccl).
     """
-    if mode == "ignore":
-        return output
-    loss = _loss_of(output)
-    bad = loss is not None and not bool(torch.isfinite(loss.detach()).all())
-    ranks = failing_ranks(bad, device)
-    if not ranks:
-        return output
-    value = float(loss.detach().reshape(-1)[0]) if bad and loss is not None else None
-    local = f" (this rank: {value})" if value is not None else ""
-    raise NonFiniteLossError(
-        f"non-finite training loss at global step {step} on rank(s) {ranks}{local}. The tables "
-        "and dense weights are those of the previous step; the last checkpoint is intact. Check "
-        "the batch (NaN features, extreme labels/weights) and lower the learning rate."
+
+    def __init__(self, on_nonfinite_loss: str, device: torch.device | None = None) -> None:
+        self.on_nonfinite_loss = on_nonfinite_loss
+        self.device = device
+        self._pending: tuple[int, torch.Tensor] | None = None
+
+    def record_loss(self, output: Any, step: int) -> None:
+        """Remembers this step's loss, to be judged at the next check (no sync here).
+
+        Args:
+            output: what ``training_step`` returned (a loss or a mapping with ``"loss"``).
+            step: the global step of that loss.
+        """
+        if self.on_nonfinite_loss != "raise":
+            return
+        loss = _loss_of(output)
+        value = loss.detach().reshape(-1)[:1] if loss is not None else torch.zeros(1)
+        self._pending = (step, value)
+
+    def check(self, batch_error: Exception | None, batch_checked: bool) -> None:
+        """Raises on every rank if any rank's batch or previous loss was bad. Collective.
+
+        Args:
+            batch_error: this rank's validation error for the coming step, or None.
+            batch_checked: whether batches are validated at this step (the same on every rank).
+
+        Raises:
+            BatchValidationError: on every rank when any rank's batch is bad (the failing rank
+                raises its own error; the others name it).
+            NonFiniteLossError: on every rank when any rank's previous loss was NaN/inf.
+        """
+        import torch.distributed as dist
+
+        from lightning_torchrec.validation import BatchValidationError
+
+        pending, self._pending = self._pending, None
+        if not batch_checked and pending is None:
+            return
+        loss_bad = pending is not None and not bool(torch.isfinite(pending[1]).all())
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if not distributed:
+            if batch_error is not None:
+                raise batch_error
+            if loss_bad:
+                raise _nonfinite_loss_error(pending, [0])
+            return
+        world, rank = dist.get_world_size(), dist.get_rank()
+        flags = torch.zeros(2 * world, dtype=torch.int32, device=self.device)
+        flags[rank] = int(batch_error is not None)
+        flags[world + rank] = int(loss_bad)
+        dist.all_reduce(flags)
+        values = flags.tolist()
+        if any(values[:world]):
+            messages: list[Any] = [None] * world
+            mine = None if batch_error is None else f"{type(batch_error).__name__}: {batch_error}"
+            dist.all_gather_object(messages, mine)
+            if batch_error is not None:
+                raise batch_error
+            text = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
+            raise BatchValidationError(f"stopped because another rank failed: {text}")
+        loss_ranks = [r for r in range(world) if values[world + r]]
+        if loss_ranks:
+            raise _nonfinite_loss_error(pending, loss_ranks)
+
+    def flush(self) -> None:
+        """Judges the last recorded loss (call at the end of training, on every rank)."""
+        self.check(None, batch_checked=False)
+
+
+def _nonfinite_loss_error(
+    pending: tuple[int, torch.Tensor] | None, ranks: list[int]
+) -> NonFiniteLossError:
+    step, value = pending if pending is not None else (-1, torch.zeros(1))
+    local = float(value[0]) if value.numel() else 0.0
+    here = f" (this rank: {local})" if not torch.isfinite(value).all() else ""
+    return NonFiniteLossError(
+        f"non-finite training loss at global step {step} on rank(s) {ranks}{here}. That step's "
+        "update was applied, so the in-memory weights may be non-finite; checkpoints refuse "
+        "non-finite weights and the last one is intact. Check the batch (NaN features, extreme "
+        "labels/weights) and lower the learning rate."
     )
 
 

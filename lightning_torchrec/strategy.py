@@ -17,7 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_torchrec.checkpoint import load_sharded, save_sharded
-from lightning_torchrec.faults import FiniteCheckpointGuard, check_loss, peer_failure
+from lightning_torchrec.faults import FiniteCheckpointGuard, StepGuard, peer_failure
 from lightning_torchrec.optim import DenseAndFusedOptimizer, combine_optimizers
 from lightning_torchrec.planning import (
     PlanSummary,
@@ -32,7 +32,13 @@ from lightning_torchrec.planning import (
     plan_collectively,
     summarize_plan,
 )
-from lightning_torchrec.validation import dense_width, feature_specs, validate_collectively
+from lightning_torchrec.validation import (
+    BatchValidationError,
+    dense_width,
+    feature_specs,
+    validate_batch,
+    validate_collectively,
+)
 
 if TYPE_CHECKING:
     from torchrec.distributed.model_parallel import DataParallelWrapper, DistributedModelParallel
@@ -82,8 +88,9 @@ class TorchRecStrategy(DDPStrategy):
             steps (and validation batches) only, False never. Costs one vectorised pass over
             the ids and one tiny ``all_reduce`` per checked step.
         on_nonfinite_loss: ``"raise"``: a NaN/inf loss on any rank raises a
-            ``NonFiniteLossError`` naming the step and ranks on every rank, before the backward;
-            ``"ignore"``. Raising costs one tiny ``all_reduce`` per step (a device sync on CUDA).
+            ``NonFiniteLossError`` naming the step and ranks on every rank, at the next step's
+            check (see ``lightning_torchrec.faults.StepGuard``; checkpoints refuse non-finite
+            weights); ``"ignore"``. The verdict shares the batch check's one small collective.
         check_finite_checkpoints: refuse to save a checkpoint holding NaN/inf weights.
 
     Raises:
@@ -151,6 +158,7 @@ class TorchRecStrategy(DDPStrategy):
         self.validate_batches = validate_batches
         self.on_nonfinite_loss = on_nonfinite_loss
         self.check_finite_checkpoints = check_finite_checkpoints
+        self._guard = StepGuard(on_nonfinite_loss)
         self._feature_specs: dict[str, Any] = {}
         self._dense_width: int | None = None
 
@@ -194,6 +202,7 @@ class TorchRecStrategy(DDPStrategy):
     def setup(self, trainer: L.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
+        self._guard.device = self.root_device
         self._check_precision()
         if self._dmp is None or self._sharded_module is not self.lightning_module:
             self._shard(trainer)
@@ -361,12 +370,21 @@ class TorchRecStrategy(DDPStrategy):
         self._push_fused_lr()
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         step = trainer.global_step if trainer is not None else 0
+        checked = self._validates(step)
+        batch = args[0] if args else kwargs.get("batch")
         try:
-            self._validate(args[0] if args else kwargs.get("batch"), step)
+            # One collective for this step's batch verdict and the previous step's loss verdict.
+            self._guard.check(self._batch_error(batch, step) if checked else None, checked)
             output = super().training_step(*args, **kwargs)
-            return check_loss(output, step, self.on_nonfinite_loss, self.root_device)
         except RuntimeError as e:
             raise (peer_failure(e, self._timeout) or e) from e
+        self._guard.record_loss(output, step)
+        return output
+
+    @override
+    def on_train_end(self) -> None:
+        # The last step's loss has no next step to be judged at.
+        self._guard.flush()
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -377,8 +395,18 @@ class TorchRecStrategy(DDPStrategy):
         except RuntimeError as e:
             raise (peer_failure(e, self._timeout) or e) from e
 
+    def _validates(self, step: int) -> bool:
+        return self.validate_batches is True or step < self.validate_batches
+
+    def _batch_error(self, batch: Any, step: int) -> BatchValidationError | None:
+        try:
+            validate_batch(batch, self._feature_specs, self._dense_width)
+        except BatchValidationError as e:
+            return BatchValidationError(f"rank {self.global_rank}, step {step}: {e}")
+        return None
+
     def _validate(self, batch: Any, step: int) -> None:
-        if self.validate_batches is True or step < self.validate_batches:
+        if self._validates(step):
             validate_collectively(
                 batch, self._feature_specs, self._dense_width, step, self.root_device
             )

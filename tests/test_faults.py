@@ -11,7 +11,7 @@ from lightning_torchrec import DLRMClickModule, TorchRecStrategy
 from lightning_torchrec.faults import (
     NonFiniteLossError,
     PreemptionCheckpoint,
-    check_loss,
+    StepGuard,
     nonfinite_tensors,
     peer_failure,
 )
@@ -30,11 +30,22 @@ def dlrm(rows: list[int] | None = None) -> DLRMClickModule:
     )
 
 
-def test_nonfinite_loss_names_the_step() -> None:
-    assert check_loss(torch.tensor(0.5), 3, "raise") is not None
-    with pytest.raises(NonFiniteLossError, match=r"global step 7 on rank\(s\) \[0\]"):
-        check_loss({"loss": torch.tensor(float("inf"))}, 7, "raise")
-    assert check_loss(torch.tensor(float("nan")), 7, "ignore") is not None
+def test_nonfinite_loss_is_judged_at_the_next_check_naming_the_step() -> None:
+    guard = StepGuard("raise")
+    guard.record_loss(torch.tensor(0.5), 3)
+    guard.check(None, batch_checked=True)  # a finite loss passes
+    guard.record_loss({"loss": torch.tensor(float("inf"))}, 7)
+    with pytest.raises(
+        NonFiniteLossError, match=r"global step 7 on rank\(s\) \[0\].*this rank: inf"
+    ):
+        guard.check(None, batch_checked=False)
+    guard.check(None, batch_checked=False)  # judged once
+    guard.record_loss(torch.tensor(float("nan")), 8)
+    with pytest.raises(NonFiniteLossError, match="global step 8"):
+        guard.flush()
+    ignoring = StepGuard("ignore")
+    ignoring.record_loss(torch.tensor(float("nan")), 9)
+    ignoring.flush()
     with pytest.raises(ValueError, match="on_nonfinite_loss"):
         TorchRecStrategy(on_nonfinite_loss="skip")  # type: ignore[arg-type]
 
