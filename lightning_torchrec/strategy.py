@@ -17,15 +17,17 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_torchrec.checkpoint import load_sharded, save_sharded
-from lightning_torchrec.faults import FiniteCheckpointGuard, StepGuard, peer_failure
-from lightning_torchrec.optim import DenseAndFusedOptimizer, combine_optimizers
-from lightning_torchrec.planning import (
-    PlanSummary,
+from lightning_torchrec.checks import (
     check_constraints_for_device,
     check_constraints_match_model,
     check_fused_optimizer_for_device,
     check_plan,
     check_plan_matches_model,
+)
+from lightning_torchrec.faults import FiniteCheckpointGuard, StepGuard, peer_failure
+from lightning_torchrec.optim import DenseAndFusedOptimizer, combine_optimizers
+from lightning_torchrec.planning import (
+    PlanSummary,
     default_sharders,
     has_fused_tables,
     make_topology,

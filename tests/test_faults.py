@@ -8,6 +8,11 @@ import torch
 from torchrec.distributed.types import ShardingPlan
 
 from lightning_torchrec import DLRMClickModule, TorchRecStrategy
+from lightning_torchrec.checks import (
+    check_fused_optimizer_for_device,
+    check_plan_matches_model,
+    explain_planner_error,
+)
 from lightning_torchrec.faults import (
     NonFiniteLossError,
     PreemptionCheckpoint,
@@ -15,13 +20,7 @@ from lightning_torchrec.faults import (
     nonfinite_tensors,
     peer_failure,
 )
-from lightning_torchrec.planning import (
-    check_fused_optimizer_for_device,
-    check_plan_matches_model,
-    default_sharders,
-    explain_planner_error,
-    make_topology,
-)
+from lightning_torchrec.planning import default_sharders, make_topology
 
 
 def dlrm(rows: list[int] | None = None) -> DLRMClickModule:

@@ -95,7 +95,8 @@ def test_explicit_row_wise_plan_and_plan_for_other_world_are_refused() -> None:
     from torchrec.distributed.planner import EmbeddingShardingPlanner
     from torchrec.distributed.planner.types import Topology
 
-    from lightning_torchrec.planning import check_plan, default_sharders
+    from lightning_torchrec.checks import check_plan
+    from lightning_torchrec.planning import default_sharders
 
     plan = EmbeddingShardingPlanner(
         topology=Topology(world_size=2, compute_device="cuda", local_world_size=2),
