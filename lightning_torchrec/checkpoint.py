@@ -366,3 +366,55 @@ def _load_hyper_params(path: Path, index: int, optimizer: KeyedOptimizer) -> Non
         for k, v in values.items():
             if k in group:
                 group[k] = v
+
+
+def set_sampler_epoch(dataloader: Any, epoch: int) -> None:
+    """Sets ``epoch`` on every sampler of ``dataloader`` that has ``set_epoch``.
+
+    Args:
+        dataloader: a DataLoader (or anything with ``sampler``/``batch_sampler``).
+        epoch: the epoch about to be iterated.
+    """
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    for sampler in (getattr(dataloader, "sampler", None), batch_sampler):
+        for s in (sampler, getattr(sampler, "sampler", None)):
+            if callable(getattr(s, "set_epoch", None)):
+                s.set_epoch(epoch)
+
+
+def keyed_optimizer(optimizer: Any) -> KeyedOptimizer:
+    """The keyed optimizer behind a (Lightning-wrapped) optimizer.
+
+    Args:
+        optimizer: an optimizer, possibly a ``LightningOptimizer``.
+
+    Returns:
+        The ``KeyedOptimizer`` (state keyed by parameter name, as checkpoints need).
+
+    Raises:
+        TypeError: for a plain torch optimizer, saying how to fix ``configure_optimizers``.
+    """
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+    if not isinstance(opt, KeyedOptimizer):
+        raise TypeError(
+            f"TorchRecStrategy checkpoints keyed optimizers; got {type(opt).__name__}. Return "
+            "the optimizer from `combine_optimizers(...)` in configure_optimizers."
+        )
+    return opt
+
+
+def remove_checkpoint(path: str | Path) -> None:
+    """Deletes a checkpoint directory (or file) whole.
+
+    Args:
+        path: the checkpoint.
+    """
+    import shutil
+
+    p = Path(path)
+    if p.is_dir():
+        shutil.rmtree(p)
+    elif p.exists():
+        p.unlink()

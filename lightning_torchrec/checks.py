@@ -217,3 +217,94 @@ def explain_planner_error(error: BaseException, model: nn.Module, topology: Any)
     )
     lines.append(f"Planner said: {str(error).strip()[:2000]}")
     return "\n".join(lines)
+
+
+def check_precision(precision_plugin: Any) -> None:
+    """Refuses precisions that convert the whole model.
+
+    Args:
+        precision_plugin: the Trainer's precision plugin.
+
+    Raises:
+        ValueError: for ``*-true`` precisions, with the fix.
+    """
+    from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision
+
+    if isinstance(precision_plugin, (HalfPrecision, DoublePrecision)):
+        raise ValueError(
+            f"precision={precision_plugin.precision!r} converts the whole model, but TorchRec's "
+            "embedding kernels keep fp32 tables and return fp32 embeddings. Use "
+            "precision='bf16-mixed' (or '32-true'); set the table dtype with "
+            "EmbeddingBagConfig(data_type=...)."
+        )
+
+
+def check_fused_precision(precision_plugin: Any) -> None:
+    """Refuses a gradient scaler when tables are fused.
+
+    Args:
+        precision_plugin: the Trainer's precision plugin.
+
+    Raises:
+        ValueError: for fp16 mixed precision with a grad scaler.
+    """
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    if isinstance(precision_plugin, MixedPrecision) and precision_plugin.scaler is not None:
+        raise ValueError(
+            "precision='16-mixed' uses a gradient scaler, but fused embedding tables update "
+            "inside the backward pass with the *scaled* gradients, so they would diverge. Use "
+            "precision='bf16-mixed', or shard tables with a non-fused compute kernel."
+        )
+
+
+def check_fused_training(trainer: Any, allow_fused_gradient_accumulation: bool) -> None:
+    """Refuses or warns about fit settings that fused tables cannot honour.
+
+    Args:
+        trainer: the Trainer about to fit.
+        allow_fused_gradient_accumulation: the user accepts that only dense gradients accumulate.
+
+    Raises:
+        ValueError: for a grad scaler, or gradient accumulation without the opt-in.
+    """
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+    check_fused_precision(trainer.precision_plugin)
+    if trainer.accumulate_grad_batches > 1 and not allow_fused_gradient_accumulation:
+        raise ValueError(
+            f"accumulate_grad_batches={trainer.accumulate_grad_batches} does not apply to fused "
+            "embedding tables: they update at every backward pass. Use a larger batch, or pass "
+            "TorchRecStrategy(allow_fused_gradient_accumulation=True) to accumulate only the "
+            "dense gradients."
+        )
+    if trainer.gradient_clip_val:
+        rank_zero_warn(
+            "Gradient clipping reaches the dense parameters only: fused embedding tables update "
+            "inside the backward pass before clipping could see their gradients."
+        )
+
+
+def materialized_tables(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Tables built whole (not on the meta device) before sharding, with a warning.
+
+    Args:
+        module: the unsharded module.
+
+    Returns:
+        ``{state-dict key: table}`` of the tables that hold values.
+    """
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+    from lightning_torchrec.norms import embedding_tables
+
+    tables = {k: t for k, t in embedding_tables(module).items() if t.device.type != "meta"}
+    if tables:
+        size = sum(t.numel() * t.element_size() for t in tables.values())
+        rank_zero_warn(
+            f"{len(tables)} embedding tables ({size / 2**20:.1f} MiB) were built whole on every "
+            "rank before sharding; their values are copied into the shards. Build them on the "
+            "meta device (EmbeddingBagCollection(..., device=torch.device('meta'))) so no rank "
+            "ever holds a table it does not own."
+        )
+    return {k: t.detach() for k, t in tables.items()}

@@ -172,3 +172,33 @@ def combine_optimizers(dense_optimizer: torch.optim.Optimizer, module: nn.Module
         )
     keyed = KeyedOptimizerWrapper(params, lambda _: dense_optimizer)
     return DenseAndFusedOptimizer(keyed, fused_optimizers(module))
+
+
+def combine_with_schedulers(
+    optimizer: torch.optim.Optimizer, module: nn.Module, schedulers: list[object]
+) -> KeyedOptimizer:
+    """:func:`combine_optimizers` for the optimizer Lightning got from ``configure_optimizers``.
+
+    Warns when a scheduler was built on the dense optimizer alone: it cannot drive the fused
+    learning rate.
+
+    Args:
+        optimizer: the first optimizer from ``configure_optimizers``.
+        module: the (sharded) LightningModule.
+        schedulers: the LR schedulers from ``configure_optimizers``.
+
+    Returns:
+        The combined optimizer (``optimizer`` itself when it already is one).
+    """
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+    combined = combine_optimizers(optimizer, module)
+    if combined is not optimizer and any(
+        getattr(s, "optimizer", None) is optimizer for s in schedulers
+    ):
+        rank_zero_warn(
+            "The LR scheduler from `configure_optimizers` drives the dense optimizer only; the "
+            "fused embedding learning rate stays constant. Build the scheduler on "
+            "`lightning_torchrec.combine_optimizers(dense_optimizer, self)` to schedule both."
+        )
+    return combined

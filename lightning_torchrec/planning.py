@@ -301,3 +301,28 @@ def plan_collectively(
     if isinstance(result, tuple) and result and result[0] == "error":
         raise ValueError(result[1])
     return result
+
+
+def log_plan(summary: PlanSummary, trainer: Any) -> None:
+    """Prints the plan and writes it to the loggers (TensorBoard text, ``sharding_plan.md``).
+
+    Call on rank 0.
+
+    Args:
+        summary: the plan summary.
+        trainer: the Trainer, for its loggers.
+    """
+    from pathlib import Path
+
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+    text = summary.to_markdown()
+    rank_zero_info(f"TorchRec sharding plan ({summary.world_size} ranks):\n{text}")
+    for logger in trainer.loggers:
+        experiment = getattr(logger, "experiment", None)
+        if hasattr(experiment, "add_text"):
+            experiment.add_text("torchrec/sharding_plan", text, global_step=0)
+        log_dir = getattr(logger, "log_dir", None)
+        if log_dir:
+            Path(log_dir).mkdir(parents=True, exist_ok=True)
+            (Path(log_dir) / "sharding_plan.md").write_text(text + "\n")

@@ -10,26 +10,35 @@ from typing import TYPE_CHECKING, Any, Literal
 import lightning as L
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_torchrec.checkpoint import load_sharded, save_sharded
+from lightning_torchrec.checkpoint import (
+    keyed_optimizer,
+    load_sharded,
+    remove_checkpoint,
+    save_sharded,
+    set_sampler_epoch,
+)
 from lightning_torchrec.checks import (
     check_constraints_for_device,
     check_constraints_match_model,
     check_fused_optimizer_for_device,
+    check_fused_precision,
+    check_fused_training,
     check_plan,
     check_plan_matches_model,
+    check_precision,
+    materialized_tables,
 )
 from lightning_torchrec.faults import FiniteCheckpointGuard, StepGuard, peer_failure
-from lightning_torchrec.optim import DenseAndFusedOptimizer, combine_optimizers
+from lightning_torchrec.optim import DenseAndFusedOptimizer, combine_with_schedulers
 from lightning_torchrec.planning import (
     PlanSummary,
     default_sharders,
     has_fused_tables,
+    log_plan,
     make_topology,
     plan_collectively,
     summarize_plan,
@@ -205,13 +214,14 @@ class TorchRecStrategy(DDPStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         self._guard.device = self.root_device
-        self._check_precision()
+        check_precision(self.precision_plugin)
         if self._dmp is None or self._sharded_module is not self.lightning_module:
             self._shard(trainer)
         assert self._dmp is not None
         self.model = self._dmp
         if trainer.state.fn == TrainerFn.FITTING:
-            self._check_fit_config(trainer)
+            if has_fused_tables(self._plan):
+                check_fused_training(trainer, self.allow_fused_gradient_accumulation)
             self.setup_optimizers(trainer)
             if self.check_finite_checkpoints and not any(
                 isinstance(c, FiniteCheckpointGuard) for c in trainer.callbacks
@@ -224,41 +234,6 @@ class TorchRecStrategy(DDPStrategy):
         # DistributedModelParallel places shards and dense modules itself; moving the unsharded
         # module would fail on meta tables or copy every table to one device.
         pass
-
-    def _check_precision(self) -> None:
-        pp = self.precision_plugin
-        if isinstance(pp, (HalfPrecision, DoublePrecision)):
-            raise ValueError(
-                f"precision={pp.precision!r} converts the whole model, but TorchRec's embedding "
-                "kernels keep fp32 tables and return fp32 embeddings. Use precision='bf16-mixed' "
-                "(or '32-true'); set the table dtype with EmbeddingBagConfig(data_type=...)."
-            )
-
-    def _check_fused_config(self, trainer: L.Trainer) -> None:
-        pp = self.precision_plugin
-        if isinstance(pp, MixedPrecision) and pp.scaler is not None:
-            raise ValueError(
-                "precision='16-mixed' uses a gradient scaler, but fused embedding tables update "
-                "inside the backward pass with the *scaled* gradients, so they would diverge. Use "
-                "precision='bf16-mixed', or shard tables with a non-fused compute kernel."
-            )
-
-    def _check_fit_config(self, trainer: L.Trainer) -> None:
-        if self._plan is None or not has_fused_tables(self._plan):
-            return
-        self._check_fused_config(trainer)
-        if trainer.accumulate_grad_batches > 1 and not self.allow_fused_gradient_accumulation:
-            raise ValueError(
-                f"accumulate_grad_batches={trainer.accumulate_grad_batches} does not apply to "
-                "fused embedding tables: they update at every backward pass. Use a larger batch, "
-                "or pass TorchRecStrategy(allow_fused_gradient_accumulation=True) to accumulate "
-                "only the dense gradients."
-            )
-        if trainer.gradient_clip_val:
-            rank_zero_warn(
-                "Gradient clipping reaches the dense parameters only: fused embedding tables "
-                "update inside the backward pass before clipping could see their gradients."
-            )
 
     def _shard(self, trainer: L.Trainer) -> None:
         import torch.distributed as dist
@@ -290,11 +265,11 @@ class TorchRecStrategy(DDPStrategy):
         self._dense_width = dense_width(module)
         check_plan(self._plan, self.world_size, self.compute_device)
         if trainer.state.fn == TrainerFn.FITTING and has_fused_tables(self._plan):
-            self._check_fused_config(trainer)
-        materialized = self._materialized_tables(module)
+            check_fused_precision(self.precision_plugin)
+        materialized = materialized_tables(module)
         self.plan_summary = summarize_plan(module, self._plan, self.world_size)
-        if self.log_plan:
-            self._log_plan(trainer, self.plan_summary)
+        if self.log_plan and self.is_global_zero:
+            log_plan(self.plan_summary, trainer)
         self._dmp = DistributedModelParallel(
             module,
             env=ShardingEnv.from_process_group(pg),
@@ -311,35 +286,6 @@ class TorchRecStrategy(DDPStrategy):
             # DistributedModelParallel re-initialises shards; keep the values the user built.
             copy_into_shards(materialized, embedding_tables(module))
 
-    @staticmethod
-    def _materialized_tables(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-        from lightning_torchrec.norms import embedding_tables
-
-        tables = {k: t for k, t in embedding_tables(module).items() if t.device.type != "meta"}
-        if tables:
-            size = sum(t.numel() * t.element_size() for t in tables.values())
-            rank_zero_warn(
-                f"{len(tables)} embedding tables ({size / 2**20:.1f} MiB) were built whole on "
-                "every rank before sharding; their values are copied into the shards. Build "
-                "them on the meta device (EmbeddingBagCollection(..., device=torch.device("
-                "'meta'))) so no rank ever holds a table it does not own."
-            )
-        return {k: t.detach() for k, t in tables.items()}
-
-    def _log_plan(self, trainer: L.Trainer, summary: PlanSummary) -> None:
-        if not self.is_global_zero:
-            return
-        text = summary.to_markdown()
-        rank_zero_info(f"TorchRec sharding plan ({self.world_size} ranks):\n{text}")
-        for logger in trainer.loggers:
-            experiment = getattr(logger, "experiment", None)
-            if hasattr(experiment, "add_text"):
-                experiment.add_text("torchrec/sharding_plan", text, global_step=0)
-            log_dir = getattr(logger, "log_dir", None)
-            if log_dir:
-                Path(log_dir).mkdir(parents=True, exist_ok=True)
-                (Path(log_dir) / "sharding_plan.md").write_text(text + "\n")
-
     @override
     def setup_optimizers(self, trainer: L.Trainer) -> None:
         super().setup_optimizers(trainer)
@@ -347,17 +293,9 @@ class TorchRecStrategy(DDPStrategy):
         assert module is not None
         if not self.optimizers:
             return
-        first = self.optimizers[0]
-        combined = combine_optimizers(first, module)
-        if combined is not first:
-            if any(cfg.scheduler.optimizer is first for cfg in self.lr_scheduler_configs):
-                rank_zero_warn(
-                    "The LR scheduler from `configure_optimizers` drives the dense optimizer "
-                    "only; the fused embedding learning rate stays constant. Build the scheduler "
-                    "on `lightning_torchrec.combine_optimizers(dense_optimizer, self)` to "
-                    "schedule both."
-                )
-            self.optimizers = [combined, *self.optimizers[1:]]
+        schedulers = [cfg.scheduler for cfg in self.lr_scheduler_configs]
+        combined = combine_with_schedulers(self.optimizers[0], module, schedulers)
+        self.optimizers = [combined, *self.optimizers[1:]]
 
     # ------------------------------------------------------------------ steps
     def _push_fused_lr(self) -> None:
@@ -435,7 +373,7 @@ class TorchRecStrategy(DDPStrategy):
         checkpoint = dict(checkpoint)
         checkpoint.pop("state_dict", None)
         has_optim = bool(checkpoint.pop("optimizer_states", None))
-        optimizers = [self._keyed(o) for o in self.optimizers] if has_optim else []
+        optimizers = [keyed_optimizer(o) for o in self.optimizers] if has_optim else []
         assert self.lightning_module is not None
         save_sharded(path, self.lightning_module, optimizers, checkpoint)
 
@@ -445,7 +383,7 @@ class TorchRecStrategy(DDPStrategy):
     ) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.lightning_module is not None
-        optimizers = [self._keyed(o) for o in self.optimizers]
+        optimizers = [keyed_optimizer(o) for o in self.optimizers]
         meta = load_sharded(
             path,
             self.lightning_module,
@@ -464,12 +402,7 @@ class TorchRecStrategy(DDPStrategy):
         # iterator exists) makes resumed runs see the same order as uninterrupted ones.
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            epoch = trainer.fit_loop.epoch_progress.current.processed
-            batch_sampler = getattr(dataloader, "batch_sampler", None)
-            for sampler in (getattr(dataloader, "sampler", None), batch_sampler):
-                for s in (sampler, getattr(sampler, "sampler", None)):
-                    if callable(getattr(s, "set_epoch", None)):
-                        s.set_epoch(epoch)
+            set_sampler_epoch(dataloader, trainer.fit_loop.epoch_progress.current.processed)
         return dataloader
 
     @override
@@ -484,27 +417,8 @@ class TorchRecStrategy(DDPStrategy):
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        import shutil
-
         if self.is_global_zero:
-            path = Path(filepath)
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
-
-    @staticmethod
-    def _keyed(optimizer: Any) -> Any:
-        from lightning.pytorch.core.optimizer import LightningOptimizer
-        from torchrec.optim.keyed import KeyedOptimizer
-
-        opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        if not isinstance(opt, KeyedOptimizer):
-            raise TypeError(
-                f"TorchRecStrategy checkpoints keyed optimizers; got {type(opt).__name__}. "
-                "Return the optimizer from `combine_optimizers(...)` in configure_optimizers."
-            )
-        return opt
+            remove_checkpoint(filepath)
 
     # ------------------------------------------------------------------ teardown
     @override
