@@ -114,6 +114,11 @@ class ModelSize:
         return asdict(self)
 
     @classmethod
+    def demo(cls) -> ModelSize:
+        """The model and data of ``make demo``."""
+        return cls(tables=8, rows=200, dim=16, ids_per_feature=2, batch_size=512)
+
+    @classmethod
     def tiny(cls) -> ModelSize:
         """Sizes for smoke tests."""
         return cls(tables=4, rows=200, dim=8, ids_per_feature=2, batch_size=32)

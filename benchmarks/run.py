@@ -137,6 +137,24 @@ def table(out: Path) -> str:
             "default-cadence variant (few samples, noisy).",
             "",
         ]
+    r = _load(out, "callback_cost_demo")
+    if r:
+        v = r["variants"]
+        lines += [
+            f"On the demo model ({_size(r['size'])}; `python -m benchmarks.callback_cost "
+            f"--demo`), no-callback step {_ms(v['none_step_s'])}:",
+            "",
+            "| callback | one logging step / quiet step | default cadence |",
+            "|---|---|---|",
+        ]
+        for name, label in (
+            ("weight", "`WeightNormCallback`"),
+            ("embedding", "`EmbeddingNormCallback`"),
+        ):
+            every = v[f"{name}_every"]["ratio_of_medians"]
+            default = v[f"{name}_default"]["derived_amortised_ratio"]
+            lines.append(f"| {label} | {every:.3f} | {default:.3f} |")
+        lines.append("")
     r = _load(out, "norm_throughput")
     if r:
         lines += [
