@@ -21,6 +21,7 @@ from lightning_torchrec.checkpoint import (
     set_optimizer_steps,
 )
 from lightning_torchrec.consolidate import consolidate, load_plain_weights, main, read_plain
+from tests.test_strategy import trainer as strategy_trainer
 
 ROWS = 60
 
@@ -42,24 +43,11 @@ def dlrm(rows: list[int] | None = None, dim: int = 4) -> DLRMClickModule:
 
 
 def trainer(root: Path, tables: int = 2, **kwargs: Any) -> L.Trainer:
-    defaults: dict[str, Any] = dict(
-        accelerator="cpu",
-        devices=1,
-        max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        default_root_dir=root,
-    )
-    defaults.update(kwargs)
     constraints = {
         f"t_cat_{i}": ParameterConstraints(sharding_types=["table_wise"]) for i in range(tables)
     }
     strategy = TorchRecStrategy(constraints=constraints, log_plan=False)
-    return L.Trainer(strategy=strategy, **defaults)
+    return strategy_trainer(strategy, default_root_dir=root, **kwargs)
 
 
 def plain_state(module: L.LightningModule) -> dict[str, torch.Tensor]:
