@@ -3,7 +3,7 @@
 Usage::
 
     python -m benchmarks.run                 # all, full sizes (~10 min on 2 CPU cores)
-    python -m benchmarks.run --quick --out /tmp/bench   # tiny sizes (smoke test)
+    python -m benchmarks.run --quick --out runs/bench-smoke   # tiny sizes (smoke test)
     python -m benchmarks.run --only strategy_overhead --only callback_cost
     python -m benchmarks.run --table-only    # rebuild the Markdown table from the JSON files
 
