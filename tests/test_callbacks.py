@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lightning as L
@@ -195,3 +196,33 @@ def test_resumed_run_logs_no_duplicate_or_stale_points(tmp_path) -> None:
     )
     trainer.fit(dlrm(), datamodule=data(), ckpt_path=tmp_path / "epoch=0-step=4.ckpt")
     assert resumed.steps_with("model/") == [6, 8]
+
+
+def test_nonfinite_norms_are_reported_as_such() -> None:
+    from lightning_torchrec.norms import embedding_tables
+    from lightning_torchrec.sharded import local_shards
+
+    class Poison(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, *args: Any) -> None:
+            if trainer.global_step == 2:
+                with torch.no_grad():
+                    pl_module.model_and_loss.model.over_arch.model[1].bias.fill_(float("nan"))
+                    table = embedding_tables(pl_module)[
+                        "model_and_loss.model.sparse_arch.embedding_bag_collection"
+                        ".embedding_bags.t_cat_0.weight"
+                    ]
+                    local_shards(table)[0].tensor.fill_(float("inf"))
+
+    log = RecordingLogger()
+    callbacks = [
+        Poison(),
+        WeightNormCallback(every_n_steps=2),
+        EmbeddingNormCallback(every_n_steps=2),
+    ]
+    strategy = TorchRecStrategy(constraints=TABLE_WISE, check_finite_checkpoints=False)
+    with pytest.warns(UserWarning, match="Non-finite norms at step 2"):
+        fit(callbacks, loggers=[log], max_steps=2, strategy=strategy)
+    weights, tables = log.last("model/"), log.last("embedding_norms/")
+    assert math.isnan(weights["model/l2_norm/model_and_loss.model.over_arch.model.1.bias"])
+    assert math.isinf(tables["embedding_norms/t_cat_0-norm-mean"])
+    assert math.isfinite(tables["embedding_norms/t_cat_1-norm-mean"])

@@ -88,6 +88,11 @@ def test_consolidate_streams_plain_state_dict_and_command(fitted, tmp_path: Path
     assert set(got) == set(expected)
     for k, v in expected.items():
         assert torch.equal(got[k], v), k
+    # The file is real safetensors: the reference library reads the same tensors.
+    from safetensors.torch import load_file
+
+    reference = load_file(str(out))
+    assert set(reference) == set(got) and all(torch.equal(reference[k], got[k]) for k in got)
     main([str(ckpt), str(tmp_path / "model.pt")])
     as_pt = torch.load(tmp_path / "model.pt", weights_only=True)
     assert set(as_pt) == set(expected) and all(torch.equal(as_pt[k], v) for k, v in got.items())
