@@ -322,6 +322,16 @@ class TorchRecStrategy(DDPStrategy):
         return output
 
     @override
+    def backward(
+        self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        # The backward runs collectives too (sparse all-to-all, the DDP all-reduce).
+        try:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        except RuntimeError as e:
+            raise (peer_failure(e, self._timeout) or e) from e
+
+    @override
     def on_train_end(self) -> None:
         # The last step's loss has no next step to be judged at.
         self._guard.flush()

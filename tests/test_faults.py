@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning as L
 import pytest
 import torch
 from torchrec.distributed.types import ShardingPlan
 
-from lightning_torchrec import DLRMClickModule, TorchRecStrategy
+from lightning_torchrec import DLRMClickModule, SyntheticClickData, TorchRecStrategy
 from lightning_torchrec.checks import (
     check_fused_optimizer_for_device,
     check_plan_matches_model,
@@ -112,3 +114,37 @@ def test_tables_too_large_explained_in_bytes() -> None:
     )
     with pytest.raises(ValueError, match="The tables need 596.0 GiB"):
         t.fit(dlrm([10, 40_000_000_000]))
+
+
+def test_a_collective_failing_in_the_backward_is_explained() -> None:
+    from lightning_torchrec import PeerFailureError
+
+    class DiesInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:29500")
+
+    class Module(DLRMClickModule):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return DiesInBackward.apply(super().training_step(batch, batch_idx))
+
+    model = Module(
+        [10, 10], embedding_dim=4, dense_arch_layer_sizes=[4], over_arch_layer_sizes=[4, 1]
+    )
+    data = SyntheticClickData(num_embeddings=10, num_sparse_features=2, batch_size=8)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy="torchrec",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+    )
+    with pytest.raises(PeerFailureError, match="another rank probably died.*Connection closed"):
+        trainer.fit(model, datamodule=data)
