@@ -167,7 +167,6 @@ class TorchRecStrategy(DDPStrategy):
         self._sharded_module: L.LightningModule | None = None
         self.plan_summary: PlanSummary | None = None
         self.validate_batches = validate_batches
-        self.on_nonfinite_loss = on_nonfinite_loss
         self.check_finite_checkpoints = check_finite_checkpoints
         self._guard = StepGuard(on_nonfinite_loss)
         self._feature_specs: dict[str, Any] = {}
@@ -183,6 +182,17 @@ class TorchRecStrategy(DDPStrategy):
     def dmp(self) -> DistributedModelParallel | None:
         """The ``DistributedModelParallel`` wrapping the LightningModule, after setup."""
         return self._dmp
+
+    @property
+    def on_nonfinite_loss(self) -> str:
+        """``"raise"`` or ``"ignore"``: what a NaN/inf training loss does (settable)."""
+        return self._guard.on_nonfinite_loss
+
+    @on_nonfinite_loss.setter
+    def on_nonfinite_loss(self, mode: str) -> None:
+        if mode not in ("raise", "ignore"):
+            raise ValueError(f"on_nonfinite_loss must be 'raise' or 'ignore', got {mode!r}")
+        self._guard.on_nonfinite_loss = mode
 
     @property
     def compute_device(self) -> str:
