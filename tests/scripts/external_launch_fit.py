@@ -1,4 +1,4 @@
-"""Trains a few steps under torchrun (processes started outside Lightning)."""
+"""Trains a few steps in processes started outside Lightning (torchrun, SLURM's srun)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def main() -> None:
             "step": trainer.global_step,
             "plan": [(t.table, t.ranks) for t in trainer.strategy.plan_summary.tables],
         },
-        out / f"torchrun_rank{trainer.global_rank}.pt",
+        out / f"run_rank{trainer.global_rank}.pt",
     )
 
 
