@@ -19,6 +19,7 @@ from lightning_torchrec import (
     TorchRecStrategy,
     dense_parameters,
 )
+from tests.scripts.rank_state import kernel_lrs
 
 ROWS = 200
 TABLE_WISE = {f"t_cat_{i}": ParameterConstraints(sharding_types=["table_wise"]) for i in range(2)}
@@ -63,15 +64,8 @@ def trainer(strategy: Any = None, **kwargs: Any) -> L.Trainer:
 
 def tbe_learning_rates(module: L.LightningModule) -> list[float]:
     """The learning rate each fused kernel (TBE) will use in its next backward."""
-    from torchrec.optim.keyed import CombinedOptimizer
-
-    def walk(opt: Any) -> list[float]:
-        if isinstance(opt, CombinedOptimizer):
-            return [lr for _, o in opt.optimizers for lr in walk(o)]
-        return [opt._emb_module.get_learning_rate()]
-
     fused = module.trainer.optimizers[0].fused
-    return walk(fused) if fused is not None else []
+    return kernel_lrs(fused) if fused is not None else []
 
 
 def test_strategy_by_name_trains() -> None:

@@ -21,6 +21,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from rank_state import kernel_lrs, local_view  # sibling module (script directory)
 from torchrec.distributed.planner.types import ParameterConstraints
 
 from lightning_torchrec import DLRMClickModule, SyntheticClickData, TorchRecStrategy
@@ -32,27 +33,6 @@ TABLES = 4
 EPOCHS, STOP_EPOCHS = 3, 2  # 10 steps per epoch and rank
 STOP = 20
 EBC = "model_and_loss.model.sparse_arch.embedding_bag_collection"
-
-
-def local_view(value: Any) -> Any:
-    if hasattr(value, "local_shards"):
-        return [
-            (tuple(s.metadata.shard_offsets), s.tensor.detach().clone())
-            for s in value.local_shards()
-        ]
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: local_view(v) for k, v in value.items()}
-    return value
-
-
-def kernel_lrs(opt: Any) -> list[float]:
-    from torchrec.optim.keyed import CombinedOptimizer
-
-    if isinstance(opt, CombinedOptimizer):
-        return [lr for _, o in opt.optimizers for lr in kernel_lrs(o)]
-    return [opt._emb_module.get_learning_rate()]
 
 
 def snapshot(trainer: L.Trainer, module: L.LightningModule) -> dict[str, Any]:

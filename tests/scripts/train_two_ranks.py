@@ -19,6 +19,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from rank_state import local_view  # sibling module (script directory)
 from torchrec.distributed.planner.types import ParameterConstraints
 
 from lightning_torchrec import DLRMClickModule, SyntheticClickData, TorchRecStrategy
@@ -27,20 +28,6 @@ from lightning_torchrec.optim import DenseAndFusedOptimizer
 STEPS = 120
 CKPT_EVERY = 60
 OUT = Path(sys.argv[1])
-
-
-def local_view(value: Any) -> Any:
-    """Rank-local copy of a state value: ShardedTensor -> list of (offsets, shard)."""
-    if hasattr(value, "local_shards"):
-        return [
-            (tuple(s.metadata.shard_offsets), s.tensor.detach().clone())
-            for s in value.local_shards()
-        ]
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: local_view(v) for k, v in value.items()}
-    return value
 
 
 def snapshot(trainer: L.Trainer, module: L.LightningModule) -> dict[str, Any]:
