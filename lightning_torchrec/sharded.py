@@ -291,19 +291,18 @@ def maybe_shard_model(
         raise ValueError("constraints are only used to make a plan; a plan was given.")
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner
-    from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
+
+    from lightning_torchrec.planning import make_topology, plan_collectively
 
     if sharders is None:
         sharders = _default_sharders(fused_params)
     if plan is None:
         world_size = dist.get_world_size()
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        topology = TopologyFactory.create_topology(
-            TrainerConfig(world_size=world_size, local_world_size=local_world_size),
-            kernel_config=KernelConfig(compute_device=device.type),
-        )
+        topology = make_topology(world_size, local_world_size, device.type)
         planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
-        plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+        # Rank 0 plans; a planning error reaches every rank instead of leaving them waiting.
+        plan = plan_collectively(planner, model, sharders, dist.GroupMember.WORLD, topology)
     logger.info("Sharding the model with plan:\n%s", plan)
     return DistributedModelParallel(module=model, device=device, plan=plan, sharders=sharders)
 
