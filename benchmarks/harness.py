@@ -85,8 +85,8 @@ class RawLoop:
         from torchrec.modules.embedding_modules import EmbeddingBagCollection
         from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 
-        from lightning_torchrec.models import dlrm_tables
-        from lightning_torchrec.module import ModelAndLoss
+        from lightning_torchrec.dlrm import dlrm_tables
+        from lightning_torchrec.model_and_loss import ModelAndLoss
         from lightning_torchrec.planning import default_sharders
 
         rank, world = dist.get_rank(), dist.get_world_size()

@@ -6,28 +6,38 @@ Importing the package registers ``Trainer(strategy="torchrec")`` (and ``"torchre
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_torchrec.callbacks import EmbeddingNormCallback, WeightNormCallback
-from lightning_torchrec.checkpoint import CheckpointMismatchError, is_sharded_checkpoint
+from lightning_torchrec.callbacks import (
+    EmbeddingNormCallback,
+    PreemptionCheckpoint,
+    WeightNormCallback,
+)
+from lightning_torchrec.checkpoint import is_sharded_checkpoint
 from lightning_torchrec.consolidate import consolidate, load_plain_weights
 from lightning_torchrec.data import Batch, SyntheticClickData
-from lightning_torchrec.faults import (
+from lightning_torchrec.dlrm import DLRMClickModule
+from lightning_torchrec.ebc_norms import log_ebc_norms
+from lightning_torchrec.errors import (
+    BatchValidationError,
+    CheckpointMismatchError,
     NonFiniteCheckpointError,
     NonFiniteLossError,
     PeerFailureError,
-    PreemptionCheckpoint,
+    Preempted,
+    RankFailureError,
 )
-from lightning_torchrec.models import DLRMClickModule
-from lightning_torchrec.module import ModelAndLoss, TorchRecModule, weighted_bce_with_logits
-from lightning_torchrec.norms import log_ebc_norms, weights_to_log
+from lightning_torchrec.layout import log_sharded_tensor_content
+from lightning_torchrec.model_and_loss import ModelAndLoss, weighted_bce_with_logits
+from lightning_torchrec.module import TorchRecModule
+from lightning_torchrec.norms import weights_to_log
 from lightning_torchrec.optim import (
     DenseAndFusedOptimizer,
     combine_optimizers,
     dense_parameters,
 )
-from lightning_torchrec.planning import PlanSummary, summarize_plan
-from lightning_torchrec.sharded import log_sharded_tensor_content, maybe_shard_model
+from lightning_torchrec.plan_summary import PlanSummary, summarize_plan
+from lightning_torchrec.planning import maybe_shard_model, shard_model
 from lightning_torchrec.strategy import TorchRecStrategy
-from lightning_torchrec.validation import BatchValidationError
+from lightning_torchrec.tables import embedding_tables
 
 TorchRecStrategy.register_strategies(StrategyRegistry)
 
@@ -45,7 +55,9 @@ __all__ = [
     "NonFiniteLossError",
     "PeerFailureError",
     "PlanSummary",
+    "Preempted",
     "PreemptionCheckpoint",
+    "RankFailureError",
     "SyntheticClickData",
     "TorchRecModule",
     "TorchRecStrategy",
@@ -53,11 +65,13 @@ __all__ = [
     "combine_optimizers",
     "consolidate",
     "dense_parameters",
+    "embedding_tables",
     "is_sharded_checkpoint",
     "load_plain_weights",
     "log_ebc_norms",
     "log_sharded_tensor_content",
     "maybe_shard_model",
+    "shard_model",
     "summarize_plan",
     "weighted_bce_with_logits",
     "weights_to_log",

@@ -26,17 +26,22 @@ from __future__ import annotations
 
 import pickle
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
+from torchrec.optim.keyed import KeyedOptimizer
+
+from lightning_torchrec.distributed import agree, barrier, rank_and_world_size
+from lightning_torchrec.errors import CheckpointMismatchError, NonFiniteCheckpointError
+from lightning_torchrec.faults import nonfinite_tensors
+from lightning_torchrec.optim import init_optimizer_state, optimizer_steps, set_optimizer_steps
+from lightning_torchrec.tables import table_of_key
 
 META_FILE = "meta.pt"
 FORMAT_VERSION = 1
@@ -44,21 +49,12 @@ MODEL_KEY = "state_dict"
 _PARTIAL_SUFFIX = ".partial"
 
 
-class CheckpointMismatchError(ValueError):
-    """A checkpoint's tensors do not fit the model or optimizer it is loaded into."""
-
-
 def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    return rank_and_world_size()[0]
 
 
 def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+    return rank_and_world_size()[1]
 
 
 def _opt_key(i: int) -> str:
@@ -91,37 +87,30 @@ def _hyper_params(optimizer: KeyedOptimizer) -> list[dict[str, Any]]:
     return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
 
-def _fused_kernels(optimizer: Any) -> list[Any]:
-    """The fused embedding kernels (TBEs) a keyed optimizer drives, in a stable order."""
-    if isinstance(optimizer, CombinedOptimizer):
-        return [k for _, o in optimizer.optimizers for k in _fused_kernels(o)]
-    emb = getattr(optimizer, "_emb_module", None)
-    return [emb] if emb is not None and hasattr(emb, "iter") else []
+def check_finite(state: Mapping[str, Any], step: int | None = None) -> None:
+    """Refuses, on every rank, a checkpoint whose local weights or optimizer state hold NaN/inf.
 
-
-def optimizer_steps(optimizer: KeyedOptimizer) -> list[int]:
-    """The step counters of the fused kernels (used by Adam-family fused optimizers).
+    Collective: one small ``all_reduce`` (the names are gathered only on failure).
 
     Args:
-        optimizer: a keyed optimizer, typically ``DenseAndFusedOptimizer``.
+        state: what would be saved (model and optimizer states, nested).
+        step: the global step, for the message.
 
-    Returns:
-        One counter per fused kernel; they live outside every state dict.
+    Raises:
+        NonFiniteCheckpointError: on every rank when any rank holds a non-finite value, naming
+            the ranks and tensors.
     """
-    return [int(k.iter.item()) for k in _fused_kernels(optimizer)]
-
-
-def set_optimizer_steps(optimizer: KeyedOptimizer, step: int) -> None:
-    """Sets every fused kernel's step counter (the device counter and its host copy).
-
-    Args:
-        optimizer: a keyed optimizer, typically ``DenseAndFusedOptimizer``.
-        step: the counter value; every kernel of one run advances in lock step.
-    """
-    for kernel in _fused_kernels(optimizer):
-        kernel.iter.fill_(step)
-        if hasattr(kernel, "iter_cpu"):
-            kernel.iter_cpu.fill_(step)
+    bad = nonfinite_tensors(state)
+    error = None
+    if bad:
+        names = ", ".join(bad[:5]) + (" ..." if len(bad) > 5 else "")
+        at = f" at global step {step}" if step is not None else ""
+        error = NonFiniteCheckpointError(
+            f"refusing to save a checkpoint{at}: non-finite values on rank(s) [{_rank()}]: "
+            f"{names}. The previous checkpoint is kept; find where the NaN came from (loss, "
+            "learning rate, data)."
+        )
+    agree(error)
 
 
 def save_sharded(
@@ -129,6 +118,9 @@ def save_sharded(
     module: nn.Module,
     optimizers: list[KeyedOptimizer],
     metadata: dict[str, Any],
+    *,
+    model_state: dict[str, Any] | None = None,
+    check_finite_values: bool = True,
 ) -> None:
     """Saves a module's (sharded) state, optimizer states and Lightning metadata. Collective.
 
@@ -138,17 +130,25 @@ def save_sharded(
         module: the (sharded) module; ``module.state_dict()`` holds ShardedTensors for tables.
         optimizers: keyed optimizers (state keyed by parameter name).
         metadata: the rest of Lightning's checkpoint dict; rank 0 writes it.
+        model_state: ``module.state_dict()`` when the caller has built it already.
+        check_finite_values: refuse NaN/inf weights and optimizer state (:func:`check_finite`).
+
+    Raises:
+        NonFiniteCheckpointError: see :func:`check_finite`; nothing is written.
     """
     path = Path(path)
+    model_state = module.state_dict() if model_state is None else model_state
+    state: dict[str, Any] = {MODEL_KEY: model_state}
+    for i, opt in enumerate(optimizers):
+        state[_opt_key(i)] = opt.state_dict()["state"]
+    if check_finite_values:
+        check_finite(state, metadata.get("global_step"))
     tmp = _partial_dir(path)
     if _rank() == 0:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-    _barrier()
-    state: dict[str, Any] = {MODEL_KEY: module.state_dict()}
-    for i, opt in enumerate(optimizers):
-        state[_opt_key(i)] = opt.state_dict()["state"]
+    barrier()
     dcp.save(state, checkpoint_id=tmp)
     torch.save(
         {
@@ -158,13 +158,13 @@ def save_sharded(
         },
         _param_groups_file(tmp, _rank()),
     )
-    _barrier()
+    barrier()
     if _rank() == 0:
         meta = dict(metadata)
         meta["lightning_torchrec"] = {"format_version": FORMAT_VERSION, "world_size": _world()}
         torch.save(meta, tmp / META_FILE)
         _replace(tmp, path)
-    _barrier()
+    barrier()
 
 
 def _replace(src: Path, dst: Path) -> None:
@@ -180,26 +180,6 @@ def _replace(src: Path, dst: Path) -> None:
         if dst.exists():
             dst.unlink()
         src.rename(dst)
-
-
-def init_optimizer_state(optimizer: KeyedOptimizer) -> None:
-    """Materialises lazily created optimizer state so a checkpoint can be loaded into it.
-
-    Torch optimizers create state at their first step; a load target without state would
-    restore nothing, silently. Runs the dense optimizer once on zero gradients (the loaded
-    weights and state overwrite whatever that step did) and clears the gradients again.
-
-    Args:
-        optimizer: a keyed optimizer, typically ``DenseAndFusedOptimizer``.
-    """
-    from lightning_torchrec.optim import DenseAndFusedOptimizer
-
-    dense = optimizer.dense if isinstance(optimizer, DenseAndFusedOptimizer) else optimizer
-    params = [p for p in dense.params.values() if p.requires_grad]
-    if params and len(dense.state) < len(params):
-        dense.init_state()
-        for p in params:
-            p.grad = None
 
 
 def load_meta(path: str | Path, weights_only: bool = True) -> dict[str, Any]:
@@ -230,18 +210,21 @@ def load_meta(path: str | Path, weights_only: bool = True) -> dict[str, Any]:
 
 
 def _global_shape(value: Any) -> tuple[int, ...] | None:
-    if isinstance(value, torch.Tensor) or hasattr(value, "metadata"):
+    if isinstance(value, torch.Tensor):  # ShardedTensor and DTensor too: global size()
         return tuple(value.size())
     return None
 
 
-def _table_of(key: str) -> str:
-    """The table a state key belongs to (``...embedding_bags.t_cat_0.weight`` -> ``t_cat_0``)."""
-    parts = key.split(".")
-    for marker in ("embedding_bags", "embeddings"):
-        if marker in parts and parts.index(marker) + 1 < len(parts):
-            return parts[parts.index(marker) + 1]
-    return key
+def _flatten(state: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested mappings to DCP's dotted keys (``{"a": {"b": t}}`` -> ``{"a.b": t}``)."""
+    flat: dict[str, Any] = {}
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
 
 
 def check_compatible(
@@ -260,7 +243,7 @@ def check_compatible(
         CheckpointMismatchError: naming missing, unexpected and mis-shaped entries (by table).
     """
     stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    flat, _ = flatten_state_dict(state)
+    flat = _flatten(state)
     prefixes = {k.split(".", 1)[0] + "." for k in flat} or {f"{k}." for k in state}
     missing, wrong = [], []
     for key, value in flat.items():
@@ -280,10 +263,10 @@ def check_compatible(
     lines = [f"{path} does not match the {what} it is loaded into:"]
     for label, keys in (("missing from the checkpoint", missing), ("not in the target", extra)):
         if keys:
-            tables = sorted({_table_of(k.split(".", 1)[1]) for k in keys})
+            tables = sorted({table_of_key(k.split(".", 1)[1]) for k in keys})
             lines.append(f"- {label} ({len(keys)} entries; tables {tables}): {sorted(keys)[:20]}")
     if wrong:
-        tables = sorted({_table_of(w.split(":")[0].split(".", 1)[1]) for w in wrong})
+        tables = sorted({table_of_key(w.split(":")[0].split(".", 1)[1]) for w in wrong})
         lines.append(f"- shapes differ (tables {tables}): " + "; ".join(wrong[:20]))
     raise CheckpointMismatchError("\n".join(lines))
 
@@ -368,51 +351,12 @@ def _load_hyper_params(path: Path, index: int, optimizer: KeyedOptimizer) -> Non
                 group[k] = v
 
 
-def set_sampler_epoch(dataloader: Any, epoch: int) -> None:
-    """Sets ``epoch`` on every sampler of ``dataloader`` that has ``set_epoch``.
-
-    Args:
-        dataloader: a DataLoader (or anything with ``sampler``/``batch_sampler``).
-        epoch: the epoch about to be iterated.
-    """
-    batch_sampler = getattr(dataloader, "batch_sampler", None)
-    for sampler in (getattr(dataloader, "sampler", None), batch_sampler):
-        for s in (sampler, getattr(sampler, "sampler", None)):
-            if callable(getattr(s, "set_epoch", None)):
-                s.set_epoch(epoch)
-
-
-def keyed_optimizer(optimizer: Any) -> KeyedOptimizer:
-    """The keyed optimizer behind a (Lightning-wrapped) optimizer.
-
-    Args:
-        optimizer: an optimizer, possibly a ``LightningOptimizer``.
-
-    Returns:
-        The ``KeyedOptimizer`` (state keyed by parameter name, as checkpoints need).
-
-    Raises:
-        TypeError: for a plain torch optimizer, saying how to fix ``configure_optimizers``.
-    """
-    from lightning.pytorch.core.optimizer import LightningOptimizer
-
-    opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-    if not isinstance(opt, KeyedOptimizer):
-        raise TypeError(
-            f"TorchRecStrategy checkpoints keyed optimizers; got {type(opt).__name__}. Return "
-            "the optimizer from `combine_optimizers(...)` in configure_optimizers."
-        )
-    return opt
-
-
 def remove_checkpoint(path: str | Path) -> None:
     """Deletes a checkpoint directory (or file) whole.
 
     Args:
         path: the checkpoint.
     """
-    import shutil
-
     p = Path(path)
     if p.is_dir():
         shutil.rmtree(p)

@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_torchrec.checkpoint import MODEL_KEY, is_sharded_checkpoint
-from lightning_torchrec.sharded import copy_into_shards
+from lightning_torchrec.layout import copy_into_shards
 
 _DTYPES = {
     torch.float64: "F64",
@@ -195,7 +195,7 @@ def load_plain_weights(
     else:
         source = read_plain(source)
         shapes = {k: tuple(v.shape) for k, v in source.items()}
-    keys = [k for k, v in target.items() if isinstance(v, torch.Tensor) or hasattr(v, "metadata")]
+    keys = [k for k, v in target.items() if isinstance(v, torch.Tensor)]
     missing = [k for k in keys if k not in shapes]
     extra = [k for k in shapes if k not in target]
     wrong = [

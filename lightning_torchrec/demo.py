@@ -20,7 +20,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 import lightning_torchrec  # noqa: F401  (registers strategy="torchrec")
 from lightning_torchrec.callbacks import EmbeddingNormCallback, WeightNormCallback
 from lightning_torchrec.data import SyntheticClickData
-from lightning_torchrec.models import DLRMClickModule
+from lightning_torchrec.dlrm import DLRMClickModule
 
 TRAINER_DEFAULTS: dict[str, Any] = {
     "accelerator": "cpu",

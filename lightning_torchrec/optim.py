@@ -9,11 +9,17 @@ one object that sees both, while the training closure still runs once (the fused
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+from lightning_torchrec.compat import fused_kernels, kernel_step, set_kernel_step
 
 DENSE_KEY = "dense"
 FUSED_KEY = "embedding"
@@ -28,7 +34,7 @@ def is_fused_parameter(param: torch.Tensor) -> bool:
     Returns:
         True for fused embedding-table parameters, which no dense optimizer may update.
     """
-    return hasattr(param, "_in_backward_optimizers")
+    return any(True for _ in in_backward_optimizer_filter(iter([("", param)]), include=True))
 
 
 def dense_named_parameters(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
@@ -88,19 +94,25 @@ class DenseAndFusedOptimizer(CombinedOptimizer):
     """A ``CombinedOptimizer`` of one dense optimizer and the fused embedding optimizers.
 
     ``param_groups`` lists the dense groups first, then one group per fused table group, so an
-    LR scheduler built on this optimizer drives both. ``zero_grad`` sets gradients to None by
-    default, like torch optimizers, and also pushes the fused learning rate into the kernels.
+    LR scheduler built on this optimizer drives both.
 
     Args:
         dense: the keyed dense optimizer.
         fused: ``(path, fused optimizer)`` pairs.
+        dense_optimizer: the torch optimizer inside ``dense``.
     """
 
-    def __init__(self, dense: KeyedOptimizer, fused: list[tuple[str, KeyedOptimizer]]) -> None:
+    def __init__(
+        self,
+        dense: KeyedOptimizer,
+        fused: list[tuple[str, KeyedOptimizer]],
+        dense_optimizer: torch.optim.Optimizer | None = None,
+    ) -> None:
         optims: list[tuple[str, KeyedOptimizer]] = [(DENSE_KEY, dense)]
         if fused:
             optims.append((FUSED_KEY, CombinedOptimizer(fused)))
         super().__init__(optims)
+        self._dense_optimizer = dense_optimizer or dense
 
     @property
     def dense(self) -> KeyedOptimizer:
@@ -115,15 +127,7 @@ class DenseAndFusedOptimizer(CombinedOptimizer):
     @property
     def dense_optimizer(self) -> torch.optim.Optimizer:
         """The torch optimizer the user built for the dense parameters."""
-        return self.dense._optimizer  # type: ignore[attr-defined]
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clears dense gradients and pushes the fused learning rate into the kernels.
-
-        Args:
-            set_to_none: set gradients to None instead of zero.
-        """
-        super().zero_grad(set_to_none=set_to_none)
+        return self._dense_optimizer
 
     def push_fused_lr(self) -> None:
         """Writes each fused group's current ``lr`` into its embedding kernel.
@@ -171,7 +175,7 @@ def combine_optimizers(dense_optimizer: torch.optim.Optimizer, module: nn.Module
             "`lightning_torchrec.dense_parameters(self)` instead of `self.parameters()`."
         )
     keyed = KeyedOptimizerWrapper(params, lambda _: dense_optimizer)
-    return DenseAndFusedOptimizer(keyed, fused_optimizers(module))
+    return DenseAndFusedOptimizer(keyed, fused_optimizers(module), dense_optimizer)
 
 
 def combine_with_schedulers(
@@ -190,8 +194,6 @@ def combine_with_schedulers(
     Returns:
         The combined optimizer (``optimizer`` itself when it already is one).
     """
-    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
     combined = combine_optimizers(optimizer, module)
     if combined is not optimizer and any(
         getattr(s, "optimizer", None) is optimizer for s in schedulers
@@ -202,3 +204,65 @@ def combine_with_schedulers(
             "`lightning_torchrec.combine_optimizers(dense_optimizer, self)` to schedule both."
         )
     return combined
+
+
+def optimizer_steps(optimizer: KeyedOptimizer) -> list[int]:
+    """The step counters of the fused kernels (used by Adam-family fused optimizers).
+
+    Args:
+        optimizer: a keyed optimizer, typically ``DenseAndFusedOptimizer``.
+
+    Returns:
+        One counter per fused kernel; they live outside every state dict.
+    """
+    return [kernel_step(k) for k in fused_kernels(optimizer)]
+
+
+def set_optimizer_steps(optimizer: KeyedOptimizer, step: int) -> None:
+    """Sets every fused kernel's step counter (the device counter and its host copy).
+
+    Args:
+        optimizer: a keyed optimizer, typically ``DenseAndFusedOptimizer``.
+        step: the counter value; every kernel of one run advances in lock step.
+    """
+    for kernel in fused_kernels(optimizer):
+        set_kernel_step(kernel, step)
+
+
+def init_optimizer_state(optimizer: KeyedOptimizer) -> None:
+    """Materialises lazily created optimizer state so a checkpoint can be loaded into it.
+
+    Torch optimizers create state at their first step; a load target without state would
+    restore nothing, silently. Runs the dense optimizer once on zero gradients (the loaded
+    weights and state overwrite whatever that step did) and clears the gradients again.
+
+    Args:
+        optimizer: a keyed optimizer, typically ``DenseAndFusedOptimizer``.
+    """
+    dense = optimizer.dense if isinstance(optimizer, DenseAndFusedOptimizer) else optimizer
+    params = [p for p in dense.params.values() if p.requires_grad]
+    if params and len(dense.state) < len(params):
+        dense.init_state()
+        for p in params:
+            p.grad = None
+
+
+def keyed_optimizer(optimizer: Any) -> KeyedOptimizer:
+    """The keyed optimizer behind a (Lightning-wrapped) optimizer.
+
+    Args:
+        optimizer: an optimizer, possibly a ``LightningOptimizer``.
+
+    Returns:
+        The ``KeyedOptimizer`` (state keyed by parameter name, as checkpoints need).
+
+    Raises:
+        TypeError: for a plain torch optimizer, saying how to fix ``configure_optimizers``.
+    """
+    opt = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+    if not isinstance(opt, KeyedOptimizer):
+        raise TypeError(
+            f"TorchRecStrategy checkpoints keyed optimizers; got {type(opt).__name__}. Return "
+            "the optimizer from `combine_optimizers(...)` in configure_optimizers."
+        )
+    return opt

@@ -5,57 +5,39 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import lightning as L
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from torchrec.distributed.model_parallel import DataParallelWrapper, DistributedModelParallel
+from torchrec.distributed.planner import EmbeddingShardingPlanner
+from torchrec.distributed.planner.types import ParameterConstraints
+from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from typing_extensions import override
 
-from lightning_torchrec.checkpoint import (
+from lightning_torchrec.batch_checks import check_batch
+from lightning_torchrec.checkpoint import load_sharded, remove_checkpoint, save_sharded
+from lightning_torchrec.compat import ResultsOnlyLauncher, layer_sync, processed_epochs
+from lightning_torchrec.data.sampling import set_sampler_epoch
+from lightning_torchrec.distributed import agree
+from lightning_torchrec.faults import StepGuard, peer_failure
+from lightning_torchrec.optim import (
+    DenseAndFusedOptimizer,
+    combine_with_schedulers,
     keyed_optimizer,
-    load_sharded,
-    remove_checkpoint,
-    save_sharded,
-    set_sampler_epoch,
 )
-from lightning_torchrec.checks import (
-    check_constraints_for_device,
-    check_constraints_match_model,
-    check_fused_optimizer_for_device,
+from lightning_torchrec.plan_summary import PlanSummary, log_plan
+from lightning_torchrec.planning import ShardingConfig, has_fused_tables, shard_model
+from lightning_torchrec.setup_checks import (
     check_fused_precision,
     check_fused_training,
-    check_plan,
-    check_plan_matches_model,
     check_precision,
-    materialized_tables,
+    check_sync_batchnorm,
 )
-from lightning_torchrec.faults import FiniteCheckpointGuard, StepGuard, peer_failure
-from lightning_torchrec.optim import DenseAndFusedOptimizer, combine_with_schedulers
-from lightning_torchrec.planning import (
-    PlanSummary,
-    default_sharders,
-    has_fused_tables,
-    log_plan,
-    make_topology,
-    plan_collectively,
-    summarize_plan,
-)
-from lightning_torchrec.validation import (
-    BatchValidationError,
-    dense_width,
-    feature_specs,
-    validate_batch,
-    validate_collectively,
-)
-
-if TYPE_CHECKING:
-    from torchrec.distributed.model_parallel import DataParallelWrapper, DistributedModelParallel
-    from torchrec.distributed.planner import EmbeddingShardingPlanner
-    from torchrec.distributed.planner.types import ParameterConstraints
-    from torchrec.distributed.types import ModuleSharder, ShardingPlan
+from lightning_torchrec.tables import dense_width, feature_specs
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +51,11 @@ class TorchRecStrategy(DDPStrategy):
     built on the meta device are materialised only as shards; DMP data-parallelises the dense
     part), and combines the fused embedding optimizer with the dense optimizer from
     ``configure_optimizers``. Checkpoints are sharded ``torch.distributed.checkpoint``
-    directories: every rank writes its own shards.
+    directories: every rank writes its own shards. Sharding goes through
+    :func:`lightning_torchrec.planning.shard_model`, the same path as ``maybe_shard_model``.
 
     Args:
-        sharders: TorchRec sharders; defaults to EBC and EC sharders with ``fused_params``.
+        sharders: TorchRec sharders; defaults to TorchRec's with ``fused_params``.
         plan: an explicit ``ShardingPlan`` (skips the planner).
         constraints: per-table ``ParameterConstraints`` for the planner.
         fused_params: fused embedding optimizer settings (``optimizer``, ``learning_rate``, ...);
@@ -95,18 +78,19 @@ class TorchRecStrategy(DDPStrategy):
         start_method: ``"popen"`` (scripts), ``"spawn"`` or ``"fork"`` (notebooks).
         validate_batches: check each batch against the tables before the forward (ids in
             range, known keys, lengths, dtypes, finite dense features; see
-            ``lightning_torchrec.validation``); an int ``N`` checks the first ``N`` training
-            steps (and validation batches) only, False never. Costs one vectorised pass over
+            ``lightning_torchrec.batch_checks``); an int ``N`` checks the first ``N`` training
+            steps (and evaluation batches) only, False never. Costs one vectorised pass over
             the ids and one tiny ``all_reduce`` per checked step.
         on_nonfinite_loss: ``"raise"``: a NaN/inf loss on any rank raises a
             ``NonFiniteLossError`` naming the step and ranks on every rank, at the next step's
             check (see ``lightning_torchrec.faults.StepGuard``; checkpoints refuse non-finite
-            weights); ``"ignore"``. The verdict shares the batch check's one small collective.
-        check_finite_checkpoints: refuse to save a checkpoint holding NaN/inf weights.
+            values); ``"ignore"``. The verdict shares the batch check's one small collective.
+        check_finite_checkpoints: refuse to save a checkpoint holding NaN/inf weights or
+            optimizer state.
 
     Raises:
-        ValueError: if both ``sharders`` and ``fused_params`` are given, or for an unknown
-            ``on_nonfinite_loss``.
+        ValueError: if both ``sharders`` and ``fused_params`` are given, ``plan`` with
+            ``constraints`` or ``planner``, or for an unknown ``on_nonfinite_loss``.
     """
 
     strategy_name = "torchrec"
@@ -134,16 +118,8 @@ class TorchRecStrategy(DDPStrategy):
         on_nonfinite_loss: Literal["raise", "ignore"] = "raise",
         check_finite_checkpoints: bool = True,
     ) -> None:
-        if sharders is not None and fused_params is not None:
-            raise ValueError(
-                "Pass `fused_params` to your sharders (e.g. "
-                "EmbeddingBagCollectionSharder(fused_params=...)) or pass no sharders; "
-                "TorchRecStrategy cannot apply `fused_params` to sharders it did not build."
-            )
-        if on_nonfinite_loss not in ("raise", "ignore"):
-            raise ValueError(
-                f"on_nonfinite_loss must be 'raise' or 'ignore', got {on_nonfinite_loss!r}"
-            )
+        self.sharding = ShardingConfig(sharders, plan, constraints, fused_params, planner)
+        self._guard = StepGuard(on_nonfinite_loss)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -154,29 +130,27 @@ class TorchRecStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        self._sharders = sharders
-        self._plan = plan
-        self._constraints = constraints
-        self._fused_params = fused_params
-        self._planner = planner
-        self._data_parallel_wrapper = data_parallel_wrapper
+        self.data_parallel_wrapper = data_parallel_wrapper
         self.allow_fused_gradient_accumulation = allow_fused_gradient_accumulation
         self.log_plan = log_plan
         self.load_optimizer_states = load_optimizer_states
-        self._dmp: DistributedModelParallel | None = None
-        self._sharded_module: L.LightningModule | None = None
-        self.plan_summary: PlanSummary | None = None
+        self.collective_timeout = timeout
+        self.start_method = start_method
         self.validate_batches = validate_batches
         self.check_finite_checkpoints = check_finite_checkpoints
-        self._guard = StepGuard(on_nonfinite_loss)
+        self._dmp: DistributedModelParallel | None = None
+        self._plan: ShardingPlan | None = None
+        self._sharded_module: L.LightningModule | None = None
+        self._results_launcher: ResultsOnlyLauncher | None = None
+        self.plan_summary: PlanSummary | None = None
         self._feature_specs: dict[str, Any] = {}
         self._dense_width: int | None = None
 
     # ------------------------------------------------------------------ properties
     @property
     def sharding_plan(self) -> ShardingPlan | None:
-        """The plan in use (None before setup unless one was given)."""
-        return self._plan
+        """The plan in use after setup (before it: the plan given, if any)."""
+        return self._plan or self.sharding.plan
 
     @property
     def dmp(self) -> DistributedModelParallel | None:
@@ -190,14 +164,18 @@ class TorchRecStrategy(DDPStrategy):
 
     @on_nonfinite_loss.setter
     def on_nonfinite_loss(self, mode: str) -> None:
-        if mode not in ("raise", "ignore"):
-            raise ValueError(f"on_nonfinite_loss must be 'raise' or 'ignore', got {mode!r}")
         self._guard.on_nonfinite_loss = mode
 
     @property
-    def compute_device(self) -> str:
-        """``"cuda"`` or ``"cpu"``: what the planner plans for."""
-        return "cuda" if self.root_device.type == "cuda" else "cpu"
+    @override
+    def launcher(self) -> Any:
+        # Fork/spawn: Lightning's launcher would load rank 0's shards into the parent's
+        # unsharded module; this one brings results back without weights.
+        if self.start_method == "popen":
+            return super().launcher
+        if self._results_launcher is None:
+            self._results_launcher = ResultsOnlyLauncher(self, start_method=self.start_method)
+        return self._results_launcher
 
     @property
     @override
@@ -211,15 +189,6 @@ class TorchRecStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ setup
     @override
-    def _configure_launcher(self) -> None:
-        if self._start_method == "popen":
-            super()._configure_launcher()
-            return
-        from lightning_torchrec.launcher import ShardedResultsLauncher
-
-        self._launcher = ShardedResultsLauncher(self, start_method=self._start_method)
-
-    @override
     def setup(self, trainer: L.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
@@ -227,16 +196,13 @@ class TorchRecStrategy(DDPStrategy):
         check_precision(self.precision_plugin)
         if self._dmp is None or self._sharded_module is not self.lightning_module:
             self._shard(trainer)
-        assert self._dmp is not None
+        assert self._dmp is not None and self._plan is not None
         self.model = self._dmp
         if trainer.state.fn == TrainerFn.FITTING:
             if has_fused_tables(self._plan):
+                check_fused_precision(self.precision_plugin)
                 check_fused_training(trainer, self.allow_fused_gradient_accumulation)
             self.setup_optimizers(trainer)
-            if self.check_finite_checkpoints and not any(
-                isinstance(c, FiniteCheckpointGuard) for c in trainer.callbacks
-            ):
-                trainer.callbacks.append(FiniteCheckpointGuard())
         self.setup_precision_plugin()
 
     @override
@@ -246,55 +212,25 @@ class TorchRecStrategy(DDPStrategy):
         pass
 
     def _shard(self, trainer: L.Trainer) -> None:
-        import torch.distributed as dist
-        from torchrec.distributed.model_parallel import DistributedModelParallel
-        from torchrec.distributed.planner import EmbeddingShardingPlanner
-        from torchrec.distributed.types import ShardingEnv
-
         module = self.lightning_module
         assert module is not None
-        if not dist.is_initialized():
-            raise RuntimeError(
-                "TorchRecStrategy needs the process group; setup_environment runs first"
-            )
-        pg = dist.group.WORLD
-        check_constraints_for_device(self._constraints, self.compute_device)
-        check_constraints_match_model(self._constraints, module)
-        if self._plan is not None:
-            check_plan_matches_model(self._plan, module)
-        sharders = self._sharders or default_sharders(self._fused_params)
-        check_fused_optimizer_for_device(sharders, self.compute_device)
-        if self._plan is None:
-            planner = self._planner or EmbeddingShardingPlanner(
-                topology=make_topology(self.world_size, self.num_processes, self.compute_device),
-                constraints=self._constraints,
-            )
-            topology = getattr(planner, "_topology", None)
-            self._plan = plan_collectively(planner, module, sharders, pg, topology)
+        sync = layer_sync(self)
+        if sync is not None:
+            check_sync_batchnorm(self.root_device)
+            module = sync.apply(module)
         self._feature_specs = feature_specs(module)  # before sharding replaces the configs
         self._dense_width = dense_width(module)
-        check_plan(self._plan, self.world_size, self.compute_device)
-        if trainer.state.fn == TrainerFn.FITTING and has_fused_tables(self._plan):
-            check_fused_precision(self.precision_plugin)
-        materialized = materialized_tables(module)
-        self.plan_summary = summarize_plan(module, self._plan, self.world_size)
-        if self.log_plan and self.is_global_zero:
-            log_plan(self.plan_summary, trainer)
-        self._dmp = DistributedModelParallel(
+        sharded = shard_model(
             module,
-            env=ShardingEnv.from_process_group(pg),
-            device=self.root_device,
-            plan=self._plan,
-            sharders=sharders,
-            data_parallel_wrapper=self._data_parallel_wrapper,
+            self.root_device,
+            local_world_size=self.num_processes,
+            data_parallel_wrapper=self.data_parallel_wrapper,
+            **vars(self.sharding),
         )
+        self._dmp, self._plan, self.plan_summary = sharded
         self._sharded_module = module
-        if materialized:
-            from lightning_torchrec.norms import embedding_tables
-            from lightning_torchrec.sharded import copy_into_shards
-
-            # DistributedModelParallel re-initialises shards; keep the values the user built.
-            copy_into_shards(materialized, embedding_tables(module))
+        if self.log_plan and self.is_global_zero:
+            log_plan(self.plan_summary, trainer.loggers)
 
     @override
     def setup_optimizers(self, trainer: L.Trainer) -> None:
@@ -313,6 +249,20 @@ class TorchRecStrategy(DDPStrategy):
             if isinstance(opt, DenseAndFusedOptimizer):
                 opt.push_fused_lr()
 
+    def _checks_batch(self, step: int) -> bool:
+        return self.validate_batches is True or step < self.validate_batches
+
+    def _batch_verdict(self, batch: Any, where: str) -> Exception | None:
+        return check_batch(
+            batch, self._feature_specs, self._dense_width, f"rank {self.global_rank}, {where}"
+        )
+
+    def _collective(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as e:
+            raise (peer_failure(e, self.collective_timeout) or e) from e
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         # The fused kernels read the LR during backward; a scheduler's change made after the
@@ -320,56 +270,42 @@ class TorchRecStrategy(DDPStrategy):
         self._push_fused_lr()
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         step = trainer.global_step if trainer is not None else 0
-        checked = self._validates(step)
+        checked = self._checks_batch(step)
         batch = args[0] if args else kwargs.get("batch")
-        try:
-            # One collective for this step's batch verdict and the previous step's loss verdict.
-            self._guard.check(self._batch_error(batch, step) if checked else None, checked)
-            output = super().training_step(*args, **kwargs)
-        except RuntimeError as e:
-            raise (peer_failure(e, self._timeout) or e) from e
+        verdict = self._batch_verdict(batch, f"step {step}") if checked else None
+        # One collective for this step's batch verdict and the previous step's loss verdict.
+        self._collective(self._guard.check, verdict, checked)
+        output = self._collective(super().training_step, *args, **kwargs)
         self._guard.record_loss(output, step)
         return output
+
+    def _eval_step(self, step_fn: Any, stage: str, args: Any, kwargs: Any) -> Any:
+        batch_idx = int(args[1] if len(args) > 1 else kwargs.get("batch_idx", 0))
+        if self._checks_batch(batch_idx):
+            batch = args[0] if args else kwargs.get("batch")
+            verdict = self._batch_verdict(batch, f"{stage} batch {batch_idx}")
+            self._collective(agree, verdict, device=self.root_device)
+        return self._collective(step_fn, *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step(super().validation_step, "validation", args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step(super().test_step, "test", args, kwargs)
 
     @override
     def backward(
         self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any
     ) -> Any:
         # The backward runs collectives too (sparse all-to-all, the DDP all-reduce).
-        try:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        except RuntimeError as e:
-            raise (peer_failure(e, self._timeout) or e) from e
+        return self._collective(super().backward, closure_loss, optimizer, *args, **kwargs)
 
     @override
     def on_train_end(self) -> None:
         # The last step's loss has no next step to be judged at.
-        self._guard.flush()
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        try:
-            self._validate(args[0] if args else kwargs.get("batch"), int(batch_idx))
-            return super().validation_step(*args, **kwargs)
-        except RuntimeError as e:
-            raise (peer_failure(e, self._timeout) or e) from e
-
-    def _validates(self, step: int) -> bool:
-        return self.validate_batches is True or step < self.validate_batches
-
-    def _batch_error(self, batch: Any, step: int) -> BatchValidationError | None:
-        try:
-            validate_batch(batch, self._feature_specs, self._dense_width)
-        except BatchValidationError as e:
-            return BatchValidationError(f"rank {self.global_rank}, step {step}: {e}")
-        return None
-
-    def _validate(self, batch: Any, step: int) -> None:
-        if self._validates(step):
-            validate_collectively(
-                batch, self._feature_specs, self._dense_width, step, self.root_device
-            )
+        self._collective(self._guard.flush)
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -391,11 +327,18 @@ class TorchRecStrategy(DDPStrategy):
             raise TypeError("TorchRecStrategy.save_checkpoint does not take storage_options")
         path = Path(self.broadcast(str(filepath)))
         checkpoint = dict(checkpoint)
-        checkpoint.pop("state_dict", None)
+        model_state = checkpoint.pop("state_dict", None)
         has_optim = bool(checkpoint.pop("optimizer_states", None))
         optimizers = [keyed_optimizer(o) for o in self.optimizers] if has_optim else []
         assert self.lightning_module is not None
-        save_sharded(path, self.lightning_module, optimizers, checkpoint)
+        save_sharded(
+            path,
+            self.lightning_module,
+            optimizers,
+            checkpoint,
+            model_state=model_state,
+            check_finite_values=self.check_finite_checkpoints,
+        )
 
     @override
     def load_checkpoint(
@@ -422,7 +365,7 @@ class TorchRecStrategy(DDPStrategy):
         # iterator exists) makes resumed runs see the same order as uninterrupted ones.
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            set_sampler_epoch(dataloader, trainer.fit_loop.epoch_progress.current.processed)
+            set_sampler_epoch(dataloader, processed_epochs(trainer))
         return dataloader
 
     @override
@@ -445,6 +388,8 @@ class TorchRecStrategy(DDPStrategy):
     def teardown(self) -> None:
         # Keep the sharded model: a later trainer.validate/test/predict reuses it. Lightning's
         # default would move every table to CPU (and fails on meta tables after an early error).
+        assert self.cluster_environment is not None
+        self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         assert self.accelerator is not None
         self.accelerator.teardown()

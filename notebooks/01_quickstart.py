@@ -252,12 +252,14 @@ assert last != first, "the embedding table did not change during training"
 # %% [markdown]
 # ## 7. The same functions without the callbacks
 #
-# The callbacks are thin: the maths lives in `lightning_torchrec.norms` and works on any model,
+# The callbacks are thin: the maths (`weights_to_log`, `log_ebc_norms`) works on any model,
 # sharded (`DistributedModelParallel`, inside the workers) or plain, in or out of Lightning. Here
 # on the unsharded EBC of section 3, in this single process.
 
 # %%
-from lightning_torchrec.norms import embedding_tables, log_ebc_norms, weights_to_log
+from lightning_torchrec.ebc_norms import log_ebc_norms
+from lightning_torchrec.norms import weights_to_log
+from lightning_torchrec.tables import embedding_tables
 
 print({k: round(float(v), 3) for k, v in weights_to_log(ebc).items()})
 tables_now = embedding_tables(ebc)

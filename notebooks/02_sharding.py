@@ -95,7 +95,10 @@ print(constrained.to_markdown())
 # ```
 
 # %%
-from lightning_torchrec.checks import check_constraints_for_device, check_constraints_match_model
+from lightning_torchrec.setup_checks import (
+    check_constraints_for_device,
+    check_constraints_match_model,
+)
 
 try:
     check_constraints_match_model({"t_cat_O": ParameterConstraints()}, model)

@@ -23,10 +23,10 @@
 # | the-algorithm-ml | lightning-torchrec | what differs |
 # |---|---|---|
 # | `ModelAndLoss(model, loss_fn)` | `lightning_torchrec.ModelAndLoss(model, loss_fn, unpack_batch)` | same `(losses, outputs)` contract; any batch type (an `unpack_batch` hook), `weights` optional |
-# | `maybe_shard_model(model, device)` | `lightning_torchrec.sharded.maybe_shard_model` / `TorchRecStrategy` | plans with the real world size and processes per host; the Trainer path shards, checkpoints and combines optimizers for you |
-# | `weights_to_log(model, how_to_log)` | `lightning_torchrec.norms.weights_to_log` / `WeightNormCallback` | built-in norms of a sharded table are of the whole table (all ranks), not of one rank's shard |
-# | `log_ebc_norms(state_dict, ebc_keys, sample_size)` | `lightning_torchrec.norms.log_ebc_norms` / `EmbeddingNormCallback` | works on CPU and GPU and on ranks holding 0, 1 or several shards (-1 where none); no state-dict rebuild |
-# | `log_sharded_tensor_content(...)` | `lightning_torchrec.sharded.log_sharded_tensor_content` | any world size and backend; returns the table on rank 0; refuses huge tables unless asked |
+# | `maybe_shard_model(model, device)` | `lightning_torchrec.maybe_shard_model` / `TorchRecStrategy` | plans with the real world size and processes per host; the Trainer path shards, checkpoints and combines optimizers for you |
+# | `weights_to_log(model, how_to_log)` | `lightning_torchrec.weights_to_log` / `WeightNormCallback` | built-in norms of a sharded table are of the whole table (all ranks), not of one rank's shard |
+# | `log_ebc_norms(state_dict, ebc_keys, sample_size)` | `lightning_torchrec.log_ebc_norms` / `EmbeddingNormCallback` | works on CPU and GPU and on ranks holding 0, 1 or several shards (-1 where none); no state-dict rebuild |
+# | `log_sharded_tensor_content(...)` | `lightning_torchrec.log_sharded_tensor_content` | any world size and backend; returns the table on rank 0; refuses huge tables unless asked |
 # | custom training loop (`core/custom_training_loop.py`) | `lightning.Trainer(strategy="torchrec")` | loop, logging cadence, checkpoints, validation, LR schedules from Lightning |
 #
 # Everything below runs in one process (no process group); the same calls work unchanged in
@@ -38,8 +38,11 @@ import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 
 from lightning_torchrec import Batch, ModelAndLoss
-from lightning_torchrec.norms import embedding_tables, log_ebc_norms, weights_to_log
-from lightning_torchrec.sharded import log_sharded_tensor_content, maybe_shard_model
+from lightning_torchrec.ebc_norms import log_ebc_norms
+from lightning_torchrec.layout import log_sharded_tensor_content
+from lightning_torchrec.norms import weights_to_log
+from lightning_torchrec.planning import maybe_shard_model
+from lightning_torchrec.tables import embedding_tables
 
 torch.manual_seed(0)
 

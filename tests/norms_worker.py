@@ -23,15 +23,11 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.distributed.types import ShardingEnv
 
-from lightning_torchrec.norms import (
-    embedding_table_names,
-    embedding_tables,
-    l1_norm,
-    log_ebc_norms,
-    max_norm,
-    weights_to_log,
-)
-from lightning_torchrec.sharded import log_sharded_tensor_content, maybe_shard_model
+from lightning_torchrec.ebc_norms import log_ebc_norms
+from lightning_torchrec.layout import log_sharded_tensor_content
+from lightning_torchrec.norms import l1_norm, max_norm, weights_to_log
+from lightning_torchrec.planning import maybe_shard_model
+from lightning_torchrec.tables import embedding_tables
 
 # name: (rows, dim, sharding type)
 TABLES = {
@@ -135,7 +131,7 @@ def _run(rank: int, out_dir: str) -> None:
     _fill(tables)
     params = dict(dmp.named_parameters())
     state = dmp.state_dict()
-    keys = embedding_table_names(dmp)
+    keys = list(embedding_tables(dmp))
     out = {
         "plan_types": {
             t: s.sharding_type

@@ -199,8 +199,8 @@ def test_resumed_run_logs_no_duplicate_or_stale_points(tmp_path) -> None:
 
 
 def test_nonfinite_norms_are_reported_as_such() -> None:
-    from lightning_torchrec.norms import embedding_tables
-    from lightning_torchrec.sharded import local_shards
+    from lightning_torchrec.layout import shard_info
+    from lightning_torchrec.tables import embedding_tables
 
     class Poison(L.Callback):
         def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, *args: Any) -> None:
@@ -211,7 +211,7 @@ def test_nonfinite_norms_are_reported_as_such() -> None:
                         "model_and_loss.model.sparse_arch.embedding_bag_collection"
                         ".embedding_bags.t_cat_0.weight"
                     ]
-                    local_shards(table)[0].tensor.fill_(float("inf"))
+                    shard_info(table).shards[0].tensor.fill_(float("inf"))
 
     log = RecordingLogger()
     callbacks = [

@@ -13,14 +13,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torchrec.distributed.planner.types import ParameterConstraints
 
 from lightning_torchrec import DLRMClickModule, SyntheticClickData, TorchRecStrategy
-from lightning_torchrec.checkpoint import (
-    META_FILE,
-    CheckpointMismatchError,
-    is_sharded_checkpoint,
-    optimizer_steps,
-    set_optimizer_steps,
-)
+from lightning_torchrec.checkpoint import META_FILE, is_sharded_checkpoint
 from lightning_torchrec.consolidate import consolidate, load_plain_weights, main, read_plain
+from lightning_torchrec.errors import CheckpointMismatchError
+from lightning_torchrec.optim import optimizer_steps, set_optimizer_steps
 from tests.test_strategy import trainer as strategy_trainer
 
 ROWS = 60

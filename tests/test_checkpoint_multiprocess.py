@@ -15,8 +15,8 @@ import torch
 from torchrec.distributed.planner.types import ParameterConstraints
 
 from lightning_torchrec import DLRMClickModule, SyntheticClickData, TorchRecStrategy
-from lightning_torchrec.checkpoint import optimizer_steps
 from lightning_torchrec.consolidate import read_plain
+from lightning_torchrec.optim import optimizer_steps
 from tests.helpers import assert_same, load_ranks, run_script
 
 TABLES = [f"t_cat_{i}" for i in range(4)]

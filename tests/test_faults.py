@@ -10,19 +10,15 @@ import torch
 from torchrec.distributed.types import ShardingPlan
 
 from lightning_torchrec import DLRMClickModule, SyntheticClickData, TorchRecStrategy
-from lightning_torchrec.checks import (
+from lightning_torchrec.callbacks.preemption import PreemptionCheckpoint
+from lightning_torchrec.errors import NonFiniteLossError
+from lightning_torchrec.faults import StepGuard, nonfinite_tensors, peer_failure
+from lightning_torchrec.planning import default_sharders, make_topology
+from lightning_torchrec.setup_checks import (
     check_fused_optimizer_for_device,
     check_plan_matches_model,
     explain_planner_error,
 )
-from lightning_torchrec.faults import (
-    NonFiniteLossError,
-    PreemptionCheckpoint,
-    StepGuard,
-    nonfinite_tensors,
-    peer_failure,
-)
-from lightning_torchrec.planning import default_sharders, make_topology
 
 
 def dlrm(rows: list[int] | None = None) -> DLRMClickModule:

@@ -9,7 +9,8 @@ from torchmetrics.functional.classification import binary_auroc
 
 from lightning_torchrec import Batch, ModelAndLoss, SyntheticClickData
 from lightning_torchrec.data import SyntheticClickDataset
-from lightning_torchrec.module import weighted_bce_with_logits
+from lightning_torchrec.dlrm import dlrm_tables
+from lightning_torchrec.model_and_loss import weighted_bce_with_logits
 
 
 def batch(weights: torch.Tensor | None = None) -> Batch:
@@ -92,8 +93,8 @@ def test_batches_are_deterministic_well_formed_and_split_dependent() -> None:
         ids = kjt[key].values()
         assert ids.min() >= 0 and ids.max() < rows
     assert set(a.labels.unique().tolist()) <= {0.0, 1.0}
-    assert a.dense_features.shape == (64, 13) and a.batch_size == 64
-    cfgs = dm.table_configs(8)
+    assert a.dense_features.shape == (64, 13) and len(a.labels) == 64
+    cfgs = dlrm_tables(dm.num_embeddings_per_feature, 8)  # the DLRM's tables fit the data
     assert [(c.name, c.num_embeddings, c.feature_names) for c in cfgs] == [
         ("t_cat_0", 5, ["cat_0"]),
         ("t_cat_1", 50, ["cat_1"]),
@@ -106,7 +107,7 @@ def test_labels_follow_the_hidden_rule_so_learning_is_measurable() -> None:
     b = ds[0]
     dense_only = binary_auroc(b.dense_features @ ds.dense_weights, b.labels.long())
     # Recompute the rule from the hidden vectors: it must predict much better than dense alone.
-    kjt, n = b.sparse_features, b.batch_size
+    kjt, n = b.sparse_features, len(b.labels)
     pooled = []
     for f, key in enumerate(kjt.keys()):
         jt = kjt[key]

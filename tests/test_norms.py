@@ -1,4 +1,4 @@
-"""Single-process unit tests of lightning_torchrec.norms and lightning_torchrec.sharded."""
+"""Single-process unit tests of the norm maths (norms, ebc_norms) and of layout."""
 
 from __future__ import annotations
 
@@ -19,24 +19,16 @@ from torchrec.distributed.composable.table_batched_embedding_slice import (
     TableBatchedEmbeddingSlice,
 )
 
+from lightning_torchrec.ebc_norms import log_ebc_norms, sample_positions, sampled_row_norms
+from lightning_torchrec.layout import LocalShard, log_sharded_tensor_content, shard_info
 from lightning_torchrec.norms import (
-    embedding_table_names,
-    embedding_tables,
     l1_norm,
     l2_norm,
-    log_ebc_norms,
     max_norm,
     weights_to_log,
 )
-from lightning_torchrec.sharded import (
-    LocalShard,
-    _sample_positions,
-    local_shards,
-    log_sharded_tensor_content,
-    maybe_shard_model,
-    sampled_row_norms,
-    shard_info,
-)
+from lightning_torchrec.planning import maybe_shard_model
+from lightning_torchrec.tables import embedding_tables
 
 
 def _bag(name: str, dim: int, rows: int) -> EmbeddingBagConfig:
@@ -159,7 +151,7 @@ def test_half_precision_is_accumulated_in_float32() -> None:
 def test_embedding_table_names_find_ebc_and_ec_tables_by_state_dict_key() -> None:
     ec_table = EmbeddingConfig(name="e", embedding_dim=4, num_embeddings=5, feature_names=["c"])
     model = nn.ModuleDict({"net": Net(), "ec": EmbeddingCollection(tables=[ec_table])})
-    names = embedding_table_names(model)
+    names = list(embedding_tables(model))
     assert names == [
         "net.ebc.embedding_bags.t0.weight",
         "net.ebc.embedding_bags.t1.weight",
@@ -175,7 +167,7 @@ def test_embedding_table_names_find_ebc_and_ec_tables_by_state_dict_key() -> Non
 
 def test_ebc_norms_with_full_sample_equal_exact_mean_row_norm() -> None:
     model = Net()
-    keys = embedding_table_names(model)
+    keys = list(embedding_tables(model))
     logged = log_ebc_norms(model.state_dict(), keys, sample_size=100)
     assert set(logged) == {f"{k}-norm-{s}" for k in keys for s in ("0", "mean")}
     for key in keys:
@@ -258,14 +250,14 @@ def test_ebc_norms_read_only_sample_size_rows(rows: int) -> None:
 def test_sample_positions_are_distinct_sorted_and_in_range() -> None:
     generator = torch.Generator().manual_seed(0)
     for n, k in [(10, 10), (10, 20), (100, 30), (100_000, 50)]:
-        positions = _sample_positions(n, k, generator)
+        positions = sample_positions(n, k, generator)
         assert positions.numel() == min(n, k)
         assert positions.unique().numel() == positions.numel()
         assert torch.equal(positions, positions.sort().values)
         assert positions.min() >= 0 and positions.max() < n
     counts = torch.zeros(50)
     for _ in range(2000):  # sparse path (n > 4k): every position about equally likely
-        counts[_sample_positions(50, 5, generator)] += 1
+        counts[sample_positions(50, 5, generator)] += 1
     assert counts.min() > 120 and counts.max() < 280  # expected 200 each
 
 
@@ -299,7 +291,8 @@ def test_shard_info_of_plain_and_tbe_slice_tensors() -> None:
         (shard,) = info.shards
         assert (shard.row_offset, shard.col_offset) == (0, 0)
         assert type(shard.tensor) is torch.Tensor and not shard.tensor.requires_grad
-    assert local_shards(tbe_slice)[0].tensor.data_ptr() == data[6:].data_ptr()  # a view, no copy
+    view = shard_info(tbe_slice).shards[0].tensor
+    assert view.data_ptr() == data[6:].data_ptr()  # a view, no copy
     assert shard_info(torch.empty(0)).shards == []
 
 

@@ -27,16 +27,16 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner.types import ParameterConstraints
 
+from lightning_torchrec.ebc_norms import log_ebc_norms
+from lightning_torchrec.layout import log_sharded_tensor_content, shard_info
 from lightning_torchrec.norms import (
-    embedding_table_names,
-    embedding_tables,
     l1_norm,
     l2_norm,
-    log_ebc_norms,
     max_norm,
     weights_to_log,
 )
-from lightning_torchrec.sharded import log_sharded_tensor_content, maybe_shard_model, shard_info
+from lightning_torchrec.planning import maybe_shard_model
+from lightning_torchrec.tables import embedding_tables
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # spawned ranks import the worker
 import norms_worker  # noqa: E402
@@ -92,7 +92,7 @@ def test_sharded_tensor_with_two_local_shards(one_rank_group: None) -> None:
     assert gathered is not None and torch.equal(gathered, full)
 
     model = nn.ModuleDict({"ebc": FakeShardedEBC({"t": sharded})})
-    assert embedding_table_names(model) == ["ebc.embedding_bags.t.weight"]
+    assert list(embedding_tables(model)) == ["ebc.embedding_bags.t.weight"]
     expected = {l2_norm: full.norm(), l1_norm: full.abs().sum(), max_norm: full.abs().max()}
     for fn, value in expected.items():
         logged = weights_to_log(model, fn)
@@ -107,7 +107,7 @@ def test_sharded_tensor_with_two_local_shards(one_rank_group: None) -> None:
         "model/numel/ebc.embedding_bags.t.weight/rank0/shard0": 24,
         "model/numel/ebc.embedding_bags.t.weight/rank0/shard1": 24,
     }
-    logged = log_ebc_norms(embedding_tables(model), embedding_table_names(model))
+    logged = log_ebc_norms(embedding_tables(model), list(embedding_tables(model)))
     torch.testing.assert_close(
         logged["ebc.embedding_bags.t.weight-norm-0"], full.norm(dim=1).mean()
     )
@@ -135,14 +135,14 @@ def test_maybe_shard_model_plans_and_wraps_with_fused_params(
         device=torch.device("meta"),
     )
     fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.25}
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ValueError, match="fused_params. to your sharders"):
         maybe_shard_model(ebc, torch.device("cpu"), sharders=[], fused_params=fused)
     table_wise = {"t": ParameterConstraints(sharding_types=["table_wise"])}
     dmp = maybe_shard_model(ebc, torch.device("cpu"), fused_params=fused, constraints=table_wise)
     assert isinstance(dmp, DistributedModelParallel)
     assert dmp.plan.plan[""]["t"].sharding_type == "table_wise"  # type: ignore[union-attr]
     assert dmp.fused_optimizer.param_groups[0]["lr"] == 0.25
-    assert embedding_table_names(dmp) == ["embedding_bags.t.weight"]
+    assert list(embedding_tables(dmp)) == ["embedding_bags.t.weight"]
     expected = dmp.state_dict()["embedding_bags.t.weight"].local_shards()[0].tensor.norm()
 
     def no_state_dict(*args: object, **kwargs: object) -> None:

@@ -89,8 +89,8 @@ def test_explicit_row_wise_plan_and_plan_for_other_world_are_refused() -> None:
     from torchrec.distributed.planner import EmbeddingShardingPlanner
     from torchrec.distributed.planner.types import Topology
 
-    from lightning_torchrec.checks import check_plan
     from lightning_torchrec.planning import default_sharders
+    from lightning_torchrec.setup_checks import check_plan
 
     plan = EmbeddingShardingPlanner(
         topology=Topology(world_size=2, compute_device="cuda", local_world_size=2),
@@ -262,8 +262,8 @@ def test_validate_and_predict_without_fit_shard_the_model() -> None:
 
 
 def test_tables_built_off_meta_keep_their_values_in_the_shards() -> None:
-    from lightning_torchrec.norms import embedding_tables
-    from lightning_torchrec.sharded import shard_info
+    from lightning_torchrec.layout import shard_info
+    from lightning_torchrec.tables import embedding_tables
 
     model = PlainEBCModule()
     cfgs = model.ebc.embedding_bag_configs()
@@ -295,7 +295,7 @@ def test_data_parallel_tables_train_exactly_like_torch() -> None:
     """fbgemm warns its CPU dense lookup lacks an autograd kernel; the update is still exact."""
     import copy
 
-    from lightning_torchrec.norms import embedding_tables
+    from lightning_torchrec.tables import embedding_tables
 
     class DP(L.LightningModule):
         def __init__(self) -> None:

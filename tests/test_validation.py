@@ -12,12 +12,9 @@ from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_torchrec import Batch, DLRMClickModule, TorchRecStrategy
-from lightning_torchrec.validation import (
-    BatchValidationError,
-    dense_width,
-    feature_specs,
-    validate_batch,
-)
+from lightning_torchrec.batch_checks import validate_batch
+from lightning_torchrec.errors import BatchValidationError
+from lightning_torchrec.tables import dense_width, feature_specs
 
 ROWS = [10, 20]
 

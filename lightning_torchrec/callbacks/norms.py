@@ -15,7 +15,9 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_torchrec.norms import embedding_tables, log_ebc_norms, weights_to_log
+from lightning_torchrec.ebc_norms import log_ebc_norms
+from lightning_torchrec.norms import weights_to_log
+from lightning_torchrec.tables import embedding_tables, table_of_key
 
 HowToLog = Callable[[torch.Tensor], Any] | Mapping[str, Callable[[torch.Tensor], Any]] | None
 
@@ -99,7 +101,7 @@ class _NormCallback(Callback):
     @override
     def state_key(self) -> str:
         # Two callbacks of one type with different arguments keep separate state.
-        return self._generate_state_key(**self._state_key_args())
+        return f"{type(self).__qualname__}{self._state_key_args()!r}"
 
     def _state_key_args(self) -> dict[str, Any]:
         return {"every_n_steps": self.every_n_steps}
@@ -165,11 +167,6 @@ class WeightNormCallback(_NormCallback):
         return {k: float(v) for k, v in values.items()}
 
 
-def _table_name(key: str) -> str:
-    parts = key.split(".")
-    return parts[-2] if len(parts) >= 2 and parts[-1] == "weight" else key
-
-
 class EmbeddingNormCallback(_NormCallback):
     """Logs sampled mean row norms of embedding tables (``log_ebc_norms`` semantics).
 
@@ -221,9 +218,9 @@ class EmbeddingNormCallback(_NormCallback):
                 "EmbeddingNormCallback found no EmbeddingBagCollection/EmbeddingCollection "
                 "table in the LightningModule."
             )
-        by_name = {_table_name(k): k for k in available}
+        by_name = {table_of_key(k): k for k in available}
         if self.tables is None:
-            self._keys = {_table_name(k): k for k in available}
+            self._keys = {table_of_key(k): k for k in available}
             return
         unknown = [t for t in self.tables if t not in by_name and t not in available]
         if unknown:
@@ -232,7 +229,7 @@ class EmbeddingNormCallback(_NormCallback):
                 f"EmbeddingNormCallback(tables=...) names unknown tables {unknown}; "
                 f"closest: {hints}; the model has {sorted(by_name)}"
             )
-        self._keys = {_table_name(by_name.get(t, t)): by_name.get(t, t) for t in self.tables}
+        self._keys = {table_of_key(by_name.get(t, t)): by_name.get(t, t) for t in self.tables}
 
     @override
     def _compute(self, pl_module: L.LightningModule) -> dict[str, float]:

@@ -71,8 +71,3 @@ class Batch(Pipelineable):
             labels=self.labels.pin_memory(),
             weights=None if self.weights is None else self.weights.pin_memory(),
         )
-
-    @property
-    def batch_size(self) -> int:
-        """Number of samples in the batch."""
-        return int(self.labels.shape[0])

@@ -20,7 +20,6 @@ from collections.abc import Sequence
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_torchrec.data.batch import Batch
@@ -204,25 +203,6 @@ class SyntheticClickData(L.LightningDataModule):
         self.seed = seed
         self.signal_strength = signal_strength
         self.num_workers = num_workers
-
-    def table_configs(self, embedding_dim: int) -> list[EmbeddingBagConfig]:
-        """One ``EmbeddingBagConfig`` per feature (``t_cat_i`` reads ``cat_i``).
-
-        Args:
-            embedding_dim: the width of every table.
-
-        Returns:
-            The table configs matching this data.
-        """
-        return [
-            EmbeddingBagConfig(
-                name=f"t_{name}",
-                embedding_dim=embedding_dim,
-                num_embeddings=rows,
-                feature_names=[name],
-            )
-            for name, rows in zip(self.feature_names, self.num_embeddings_per_feature, strict=True)
-        ]
 
     def dataset(self, split: str) -> SyntheticClickDataset:
         """The dataset of one split.

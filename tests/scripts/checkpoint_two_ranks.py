@@ -25,8 +25,10 @@ from rank_state import kernel_lrs, local_view  # sibling module (script director
 from torchrec.distributed.planner.types import ParameterConstraints
 
 from lightning_torchrec import DLRMClickModule, SyntheticClickData, TorchRecStrategy
-from lightning_torchrec.checkpoint import CheckpointMismatchError, load_sharded, optimizer_steps
+from lightning_torchrec.checkpoint import load_sharded
 from lightning_torchrec.consolidate import consolidate, load_plain_weights
+from lightning_torchrec.errors import CheckpointMismatchError
+from lightning_torchrec.optim import optimizer_steps
 
 OUT = Path(sys.argv[1])
 TABLES = 4

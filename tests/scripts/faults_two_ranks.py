@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torchrec.distributed.planner.types import ParameterConstraints
 
 from lightning_torchrec import DLRMClickModule, SyntheticClickData, TorchRecStrategy
-from lightning_torchrec.faults import PreemptionCheckpoint
+from lightning_torchrec.callbacks.preemption import PreemptionCheckpoint
 
 OUT, MODE = Path(sys.argv[1]), sys.argv[2]
 ROWS = 20

@@ -1,4 +1,8 @@
-"""Configuration checks run at setup, before any training step; each error says the fix."""
+"""Configuration checks run at setup, before any training step; each error says the fix.
+
+Batches are checked per step by :mod:`lightning_torchrec.batch_checks`; these check the
+configuration once: constraints, plans, fused optimizers, precision and fit settings.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +10,13 @@ import difflib
 from typing import Any
 
 import torch
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.distributed.types import ShardingPlan
-from torchrec.modules.embedding_configs import data_type_to_dtype
 
-from lightning_torchrec.planning import human_bytes, table_configs
+from lightning_torchrec.tables import human_bytes, module_table_configs, table_bytes, table_configs
 
 #: Sharding types that need CUDA: gloo has no reduce-scatter for row-wise output dist.
 CUDA_ONLY_SHARDING_TYPES = frozenset({"row_wise", "table_row_wise", "grid_shard"})
@@ -42,25 +47,6 @@ def check_constraints_for_device(
             )
 
 
-def table_config_names(model: nn.Module) -> list[str]:
-    """Names of every table of the TorchRec embedding modules in ``model`` (unsharded).
-
-    Args:
-        model: a model holding ``EmbeddingBagCollection``/``EmbeddingCollection`` modules.
-
-    Returns:
-        The table names, in module order.
-    """
-    names: list[str] = []
-    for module in model.modules():
-        getter = getattr(module, "embedding_bag_configs", None) or getattr(
-            module, "embedding_configs", None
-        )
-        if callable(getter):
-            names.extend(c.name for c in getter())
-    return names
-
-
 def check_constraints_match_model(
     constraints: dict[str, ParameterConstraints] | None, model: nn.Module
 ) -> None:
@@ -76,7 +62,7 @@ def check_constraints_match_model(
     if not constraints:
         return
 
-    tables = table_config_names(model)
+    tables = list(table_configs(model))
     unknown = sorted(set(constraints) - set(tables))
     if unknown:
         hints = {u: difflib.get_close_matches(u, tables, n=3) for u in unknown}
@@ -126,16 +112,13 @@ def check_plan_matches_model(plan: ShardingPlan, model: nn.Module) -> None:
         ValueError: naming the unknown module paths or tables and the model's own.
     """
     for module_path, module_plan in plan.plan.items():
-        try:
-            configs = table_configs(model, module_path)
-        except AttributeError:
-            configs = {}
+        configs = module_table_configs(model, module_path)
         unknown = sorted(set(module_plan) - set(configs))  # type: ignore[arg-type]
         if unknown:
             raise ValueError(
                 f"The plan shards tables {unknown} of module {module_path!r}, which the model "
                 f"does not have (its tables there: {sorted(configs)}; all tables: "
-                f"{table_config_names(model)}). Re-plan for this model, or pass no plan."
+                f"{list(table_configs(model))}). Re-plan for this model, or pass no plan."
             )
 
 
@@ -170,19 +153,6 @@ def check_fused_optimizer_for_device(sharders: list[Any], compute_device: str) -
             )
 
 
-def _table_bytes(model: nn.Module) -> dict[str, int]:
-    sizes: dict[str, int] = {}
-    for module in model.modules():
-        getter = getattr(module, "embedding_bag_configs", None) or getattr(
-            module, "embedding_configs", None
-        )
-        if callable(getter):
-            for c in getter():
-                elem = torch.tensor([], dtype=data_type_to_dtype(c.data_type)).element_size()
-                sizes[c.name] = c.num_embeddings * c.embedding_dim * elem
-    return sizes
-
-
 def explain_planner_error(error: BaseException, model: nn.Module, topology: Any) -> str:
     """Explains a planner failure with the bytes the tables need and the devices offer.
 
@@ -195,7 +165,9 @@ def explain_planner_error(error: BaseException, model: nn.Module, topology: Any)
         A message with the weight bytes per table (largest first), the capacity per rank and
         the usual fixes, then the planner's own message.
     """
-    sizes = sorted(_table_bytes(model).items(), key=lambda kv: -kv[1])
+    sizes = sorted(
+        ((n, table_bytes(c)) for n, c in table_configs(model).items()), key=lambda kv: -kv[1]
+    )
     need = sum(b for _, b in sizes)
     largest = ", ".join(f"{t}: {human_bytes(b)}" for t, b in sizes[:3])
     lines = [
@@ -228,8 +200,6 @@ def check_precision(precision_plugin: Any) -> None:
     Raises:
         ValueError: for ``*-true`` precisions, with the fix.
     """
-    from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision
-
     if isinstance(precision_plugin, (HalfPrecision, DoublePrecision)):
         raise ValueError(
             f"precision={precision_plugin.precision!r} converts the whole model, but TorchRec's "
@@ -248,8 +218,6 @@ def check_fused_precision(precision_plugin: Any) -> None:
     Raises:
         ValueError: for fp16 mixed precision with a grad scaler.
     """
-    from lightning.pytorch.plugins.precision import MixedPrecision
-
     if isinstance(precision_plugin, MixedPrecision) and precision_plugin.scaler is not None:
         raise ValueError(
             "precision='16-mixed' uses a gradient scaler, but fused embedding tables update "
@@ -268,8 +236,6 @@ def check_fused_training(trainer: Any, allow_fused_gradient_accumulation: bool) 
     Raises:
         ValueError: for a grad scaler, or gradient accumulation without the opt-in.
     """
-    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
     check_fused_precision(trainer.precision_plugin)
     if trainer.accumulate_grad_batches > 1 and not allow_fused_gradient_accumulation:
         raise ValueError(
@@ -285,26 +251,34 @@ def check_fused_training(trainer: Any, allow_fused_gradient_accumulation: bool) 
         )
 
 
-def materialized_tables(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Tables built whole (not on the meta device) before sharding, with a warning.
+def check_sync_batchnorm(device: torch.device) -> None:
+    """Refuses ``Trainer(sync_batchnorm=True)`` where torch's ``SyncBatchNorm`` cannot run.
 
     Args:
-        module: the unsharded module.
+        device: the rank's device.
 
-    Returns:
-        ``{state-dict key: table}`` of the tables that hold values.
+    Raises:
+        ValueError: on CPU: ``SyncBatchNorm`` needs CUDA (or another accelerator).
     """
-    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+    if device.type == "cpu":
+        raise ValueError(
+            "Trainer(sync_batchnorm=True) converts BatchNorm layers to torch's SyncBatchNorm, "
+            "which runs on GPUs only. On CPU, train with sync_batchnorm=False (each rank then "
+            "normalises with its own batch statistics)."
+        )
 
-    from lightning_torchrec.norms import embedding_tables
 
-    tables = {k: t for k, t in embedding_tables(module).items() if t.device.type != "meta"}
+def warn_materialized(tables: dict[str, torch.Tensor]) -> None:
+    """Warns that tables were built whole on every rank instead of on the meta device.
+
+    Args:
+        tables: from :func:`lightning_torchrec.tables.materialized_tables`.
+    """
     if tables:
         size = sum(t.numel() * t.element_size() for t in tables.values())
         rank_zero_warn(
-            f"{len(tables)} embedding tables ({size / 2**20:.1f} MiB) were built whole on every "
+            f"{len(tables)} embedding tables ({human_bytes(size)}) were built whole on every "
             "rank before sharding; their values are copied into the shards. Build them on the "
             "meta device (EmbeddingBagCollection(..., device=torch.device('meta'))) so no rank "
             "ever holds a table it does not own."
         )
-    return {k: t.detach() for k, t in tables.items()}

@@ -1,4 +1,4 @@
-"""Ready-made LightningModules for common TorchRec models."""
+"""``DLRMClickModule``: TorchRec's DLRM as a ready-made LightningModule for click data."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from torchrec.models.dlrm import DLRM
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from lightning_torchrec.module import ModelAndLoss, TorchRecModule, _default_optimizer
+from lightning_torchrec.model_and_loss import ModelAndLoss
+from lightning_torchrec.module import TorchRecModule, default_optimizer
 
 
 def dlrm_tables(
@@ -73,7 +74,7 @@ class DLRMClickModule(TorchRecModule):
         over_arch_layer_sizes: list[int] | None = None,
         pooling: str = "mean",
         embedding_init_scale: float | None = 0.1,
-        optimizer: OptimizerCallable = _default_optimizer,
+        optimizer: OptimizerCallable = default_optimizer,
         lr_scheduler: LRSchedulerCallable | None = None,
     ) -> None:
         dense_sizes = dense_arch_layer_sizes or [64, embedding_dim]

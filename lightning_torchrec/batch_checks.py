@@ -14,71 +14,30 @@ Why: on CPU, TorchRec 1.8 and fbgemm train straight through most bad inputs.
   dense gradients.
 
 :func:`validate_batch` checks one batch against the tables of the *unsharded* model
-(:func:`feature_specs`, built before sharding) with a handful of vectorised tensor operations
-(no Python loop over samples or ids): per id one comparison against its table's row count
-(``O(num_ids)``), one ``isfinite`` over the dense features and a few shape checks. Measured on
-one CPU core: 0.07 ms for 4 features x 256 samples (4k ids), 1.3 ms for 26 features x 4096
-samples (425k ids). :class:`~lightning_torchrec.TorchRecStrategy`
-runs it before every training/validation forward (``validate_batches=True``; an integer ``N``
-checks the first ``N`` steps only, ``False`` never) and makes the outcome collective
-(:func:`raise_if_any_rank_failed`: one tiny ``all_reduce`` per checked step, and an
-``all_gather_object`` of the messages only when some rank failed), so every rank raises the same
-:class:`BatchValidationError`, naming the culprit rank, before any collective of the step.
+(:func:`~lightning_torchrec.tables.feature_specs`, built before sharding) with a handful of
+vectorised tensor operations (no Python loop over samples or ids): per id one comparison against
+its table's row count (``O(num_ids)``), one ``isfinite`` over the dense features and a few shape
+checks. Measured on one CPU core: 0.07 ms for 4 features x 256 samples (4k ids), 1.3 ms for 26
+features x 4096 samples (425k ids). :class:`~lightning_torchrec.TorchRecStrategy` runs it before
+every training/validation forward (``validate_batches=True``; an integer ``N`` checks the first
+``N`` steps only, ``False`` never) and makes the outcome collective with
+:func:`lightning_torchrec.distributed.agree` (one tiny ``all_reduce`` per checked step, shared with
+the loss check; the messages are gathered only when some rank failed), so every rank raises the
+same :class:`~lightning_torchrec.errors.BatchValidationError`, naming the culprit rank, before any
+collective of the step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-
-class BatchValidationError(ValueError):
-    """A batch the model cannot train on; the message names the feature, table, value, sample."""
-
-
-@dataclass(frozen=True)
-class FeatureSpec:
-    """What one sparse feature may hold.
-
-    Attributes:
-        feature: the KJT key.
-        table: the (smallest) table reading it.
-        num_embeddings: rows of that table: ids must lie in ``[0, num_embeddings)``.
-    """
-
-    feature: str
-    table: str
-    num_embeddings: int
-
-
-def feature_specs(model: nn.Module) -> dict[str, FeatureSpec]:
-    """The sparse features the tables of an unsharded model read.
-
-    Args:
-        model: a model holding ``EmbeddingBagCollection``/``EmbeddingCollection`` modules
-            (before sharding; tables may be on the meta device).
-
-    Returns:
-        One spec per feature name; a feature read by several tables gets the smallest table.
-    """
-    specs: dict[str, FeatureSpec] = {}
-    for module in model.modules():
-        getter = getattr(module, "embedding_bag_configs", None) or getattr(
-            module, "embedding_configs", None
-        )
-        if not callable(getter):
-            continue
-        for cfg in getter():
-            for feature in cfg.feature_names:
-                old = specs.get(feature)
-                if old is None or cfg.num_embeddings < old.num_embeddings:
-                    specs[feature] = FeatureSpec(feature, cfg.name, cfg.num_embeddings)
-    return specs
+from lightning_torchrec.errors import BatchValidationError
+from lightning_torchrec.tables import FeatureSpec
 
 
 def _field(batch: Any, name: str) -> Any:
@@ -88,8 +47,6 @@ def _field(batch: Any, name: str) -> Any:
 
 
 def _kjts(batch: Any) -> list[Any]:
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
     if isinstance(batch, KeyedJaggedTensor):
         return [batch]
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
@@ -204,7 +161,7 @@ def validate_batch(
 
     Args:
         batch: the batch.
-        specs: from :func:`feature_specs` on the unsharded model.
+        specs: from :func:`~lightning_torchrec.tables.feature_specs` on the unsharded model.
         num_dense_features: expected width of ``dense_features``; None skips that check.
 
     Raises:
@@ -246,88 +203,25 @@ def validate_batch(
     _check_per_sample("weights", _field(batch, "weights"), batch_size)
 
 
-def dense_width(module: nn.Module) -> int | None:
-    """The dense input width a module declares (``num_dense_features`` attribute/hparam).
-
-    Args:
-        module: usually the LightningModule.
-
-    Returns:
-        The width, or None when the module does not expose it.
-    """
-    width = getattr(module, "num_dense_features", None)
-    if width is None:
-        hparams = getattr(module, "hparams", None)
-        if isinstance(hparams, Mapping):
-            width = hparams.get("num_dense_features")
-    return int(width) if isinstance(width, int) else None
-
-
-def raise_if_any_rank_failed(
-    error: BaseException | None,
-    error_type: type[Exception],
-    device: torch.device | None = None,
-) -> None:
-    """Makes a local check collective: every rank raises if any rank failed.
-
-    Costs one ``all_reduce`` of one integer when no rank failed; otherwise the messages are
-    gathered so every rank raises with the failing ranks' messages. A no-op without an
-    initialised process group of more than one rank (the local error is raised as is).
-
-    Args:
-        error: this rank's error, or None.
-        error_type: the exception type raised on ranks that did not fail themselves.
-        device: where the flag lives (the backend's device: CPU for gloo, CUDA for nccl).
-
-    Raises:
-        Exception: ``error`` on the rank that failed (with the others' messages appended),
-            ``error_type`` naming the failing ranks on every other rank.
-    """
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        if error is not None:
-            raise error
-        return
-    flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if int(flag) == 0:
-        return
-    messages: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
-    text = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
-    if error is not None:
-        raise error
-    raise error_type(f"stopped because another rank failed: {text}")
-
-
-def validate_collectively(
+def check_batch(
     batch: Any,
     specs: Mapping[str, FeatureSpec],
     num_dense_features: int | None,
-    step: int,
-    device: torch.device | None = None,
-) -> None:
-    """:func:`validate_batch` on this rank, then :func:`raise_if_any_rank_failed`.
-
-    Call it before the step's first collective on every rank.
+    where: str,
+) -> BatchValidationError | None:
+    """:func:`validate_batch` as a verdict to agree on across ranks, instead of raising.
 
     Args:
         batch: this rank's batch.
-        specs: from :func:`feature_specs`.
+        specs: from :func:`~lightning_torchrec.tables.feature_specs`.
         num_dense_features: expected dense width, or None.
-        step: the step (or batch index), for the message.
-        device: the collective's device.
+        where: prefixed to the message, e.g. ``"rank 1, step 2"``.
 
-    Raises:
-        BatchValidationError: on every rank when any rank's batch is bad, naming rank and step.
+    Returns:
+        The error naming ``where``, or None for a good batch.
     """
-    import torch.distributed as dist
-
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    error: BatchValidationError | None = None
     try:
         validate_batch(batch, specs, num_dense_features)
     except BatchValidationError as e:
-        error = BatchValidationError(f"rank {rank}, step {step}: {e}")
-    raise_if_any_rank_failed(error, BatchValidationError, device)
+        return BatchValidationError(f"{where}: {e}")
+    return None

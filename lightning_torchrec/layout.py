@@ -6,21 +6,25 @@ model-parallel tables: zero, one or several pieces per rank); a ``DTensor`` (reg
 ``output_dtensor`` one whose local tensor is a ``LocalShardsWrapper``); TorchRec's
 ``TableBatchedEmbeddingSlice`` (the local view ``named_parameters()`` gives of a fused table; it has
 no global metadata, so it counts as a plain tensor: use the ShardedTensor of a sharded table).
+On top of it: copying whole tensors into this rank's shards, and gathering a whole table.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from lightning_torchrec.compat import (
+    ShardedTensor,
+    local_shape_and_global_offset,
+    sharded_tensor_group,
+)
+from lightning_torchrec.distributed import collective_device, rank_and_world_size
 
 logger = logging.getLogger(__name__)
 
@@ -56,29 +60,6 @@ class ShardInfo(NamedTuple):
     counted: bool
 
 
-def rank_and_world_size() -> tuple[int, int]:
-    """Return this process's rank and the world size.
-
-    Returns:
-        ``(rank, world_size)``; ``(0, 1)`` when ``torch.distributed`` is not initialised.
-    """
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def collective_device() -> torch.device:
-    """Return the device that tensors given to collectives of the default group must live on.
-
-    Returns:
-        The current CUDA device when the default backend is NCCL, else the CPU.
-    """
-    nccl = dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend())
-    if nccl and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _offsets(offsets: Sequence[int]) -> tuple[int, int]:
     padded = [int(o) for o in offsets[:2]] + [0, 0]
     return padded[0], padded[1]
@@ -91,7 +72,7 @@ def _sharded_tensor_info(tensor: ShardedTensor) -> ShardInfo:
         if s.tensor.numel() > 0
     ]
     counted = True
-    pg = getattr(tensor, "_process_group", None)
+    pg = sharded_tensor_group(tensor)
     if pg is not None and dist.get_world_size(pg) < dist.get_world_size():
         # A ShardedTensor over a sub-group: the other groups are assumed to hold replicas
         # (TorchRec 2D parallel); only the group containing global rank 0 is counted.
@@ -106,7 +87,8 @@ def _dtensor_info(tensor: DTensor) -> ShardInfo:
     coordinate = mesh.get_coordinate()
     if coordinate is None:  # this rank is not part of the mesh
         return ShardInfo([], tensor.shape, replicated=False, counted=False)
-    local = tensor._local_tensor
+    with torch.no_grad():  # no-grad to_local() is the local tensor itself, not a view
+        local = tensor.to_local()
     if hasattr(local, "local_shards") and hasattr(local, "local_offsets"):
         # A LocalShardsWrapper (torch's or TorchRec's) lists the pieces; placements say nothing
         # reliable (a table-wise table reads Replicate() yet lives on one rank). TorchRec's 2D
@@ -119,7 +101,7 @@ def _dtensor_info(tensor: DTensor) -> ShardInfo:
         counted = all(c == 0 for c in coordinate[:-1])
         return ShardInfo(shards, tensor.shape, replicated=False, counted=counted)
     replicated = all(p.is_replicate() for p in placements)
-    _, offset = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
+    _, offset = local_shape_and_global_offset(tensor.shape, mesh, placements)
     shards = [LocalShard(local.detach(), *_offsets(offset))] if local.numel() > 0 else []
     counted = all(c == 0 for c, p in zip(coordinate, placements, strict=True) if p.is_replicate())
     return ShardInfo(shards, tensor.shape, replicated=replicated, counted=counted)
@@ -145,166 +127,6 @@ def shard_info(tensor: torch.Tensor) -> ShardInfo:
     # detach() of a TableBatchedEmbeddingSlice (a Parameter) is a plain Tensor view.
     shards = [LocalShard(tensor.detach(), 0, 0)] if tensor.numel() > 0 else []
     return ShardInfo(shards, tensor.shape, replicated=True, counted=True)
-
-
-def local_shards(tensor: torch.Tensor) -> list[LocalShard]:
-    """Return the non-empty pieces of ``tensor`` held by this rank.
-
-    Args:
-        tensor: Any tensor accepted by :func:`shard_info`.
-
-    Returns:
-        ``(tensor, row_offset, col_offset)`` tuples; empty when this rank holds nothing.
-    """
-    return shard_info(tensor).shards
-
-
-def _sample_positions(n: int, k: int, generator: torch.Generator) -> torch.Tensor:
-    """``k`` distinct positions in ``[0, n)``, uniform without replacement, sorted; O(k) memory."""
-    if k >= n:
-        return torch.arange(n)
-    if n <= 4 * k:
-        return torch.randperm(n, generator=generator)[:k].sort().values
-    chosen = torch.zeros(0, dtype=torch.long)
-    while chosen.numel() < k:  # distinct values of uniform draws: a uniform subset (symmetry)
-        draws = torch.randint(n, (2 * (k - chosen.numel()) + 16,), generator=generator)
-        chosen = torch.unique(torch.cat([chosen, draws]))
-    keep = torch.randperm(chosen.numel(), generator=generator)[:k]
-    return chosen[keep].sort().values
-
-
-def sampled_row_norms(
-    shards: list[LocalShard], sample_size: int, generator: torch.Generator
-) -> tuple[torch.Tensor, int]:
-    """L2 norms of a uniform sample (without replacement) of this rank's rows of a 2-D table.
-
-    A row's norm combines every local shard holding that row (the columns held on this rank).
-    Only the sampled rows are read (``index_select``) unless all rows of a shard are sampled.
-
-    Args:
-        shards: This rank's shards of one table (see :func:`local_shards`).
-        sample_size: Most rows to sample.
-        generator: CPU generator the sample is drawn with.
-
-    Returns:
-        The norms (float64, sorted by row) and the number of distinct local rows.
-
-    Raises:
-        ValueError: When a shard is not 2-D.
-    """
-    if any(s.tensor.dim() != 2 for s in shards):
-        raise ValueError("Row norms need 2-D embedding tables.")
-    if not shards:
-        return torch.zeros(0, dtype=torch.float64), 0
-    spans: list[list[int]] = []  # union of the local row ranges, merged and sorted
-    for lo, hi in sorted({(s.row_offset, s.row_offset + s.tensor.shape[0]) for s in shards}):
-        if spans and lo <= spans[-1][1]:
-            spans[-1][1] = max(spans[-1][1], hi)
-        else:
-            spans.append([lo, hi])
-    lengths = torch.tensor([hi - lo for lo, hi in spans], dtype=torch.long)
-    n_rows = int(lengths.sum())
-    positions = _sample_positions(n_rows, min(sample_size, n_rows), generator)
-    ends = lengths.cumsum(0)
-    span = torch.searchsorted(ends, positions, right=True)
-    starts = torch.tensor([lo for lo, _ in spans], dtype=torch.long)
-    rows = positions - (ends - lengths)[span] + starts[span]  # global row ids, sorted
-    return row_squares(shards, rows).sqrt(), n_rows
-
-
-def row_squares(shards: list[LocalShard], rows: torch.Tensor) -> torch.Tensor:
-    """Squared L2 norms of the parts of global rows ``rows`` held in ``shards`` (0 elsewhere).
-
-    Summed over ranks, this gives the squared norm of whole rows, whatever the sharding.
-
-    Args:
-        shards: This rank's shards of one 2-D table.
-        rows: Sorted global row ids.
-
-    Returns:
-        float64 squares, one per row, on the shards' device (CPU when there are none).
-    """
-    device = shards[0].tensor.device if shards else torch.device("cpu")
-    squares = torch.zeros(rows.numel(), dtype=torch.float64, device=device)
-    for s in shards:
-        lo, hi = s.row_offset, s.row_offset + s.tensor.shape[0]
-        a, b = int(torch.searchsorted(rows, lo)), int(torch.searchsorted(rows, hi))
-        if a == b:
-            continue
-        block = s.tensor
-        if b - a < hi - lo:
-            block = block.index_select(0, (rows[a:b] - lo).to(block.device))
-        dtype = None if block.dtype == torch.float64 else torch.float32
-        norms = torch.linalg.vector_norm(block, dim=1, dtype=dtype)
-        squares[a:b] += norms.to(device=device, dtype=torch.float64).square()
-    return squares
-
-
-def _default_sharders(fused_params: dict[str, Any] | None) -> list[Any]:
-    from torchrec.distributed.embedding import EmbeddingCollectionSharder
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.sharding_plan import get_default_sharders
-
-    if fused_params is None:
-        return get_default_sharders()
-    replace = {
-        EmbeddingBagCollectionSharder: EmbeddingBagCollectionSharder(fused_params=fused_params),
-        EmbeddingCollectionSharder: EmbeddingCollectionSharder(fused_params=fused_params),
-    }
-    return [replace.get(type(s), s) for s in get_default_sharders()]
-
-
-def maybe_shard_model(
-    model: nn.Module,
-    device: torch.device,
-    *,
-    plan: Any | None = None,
-    sharders: list[Any] | None = None,
-    constraints: dict[str, Any] | None = None,
-    fused_params: dict[str, Any] | None = None,
-) -> nn.Module:
-    """Wrap ``model`` in ``DistributedModelParallel`` when ``torch.distributed`` is initialised.
-
-    Without ``plan``, ``EmbeddingShardingPlanner.collective_plan`` (rank 0's plan for every rank)
-    plans for ``world_size`` ranks, ``LOCAL_WORLD_SIZE`` per host, on ``device.type``.
-
-    Args:
-        model: The model, typically with embedding modules on the ``meta`` device.
-        device: This rank's device (``cpu`` or ``cuda:N``).
-        plan: A ready ``ShardingPlan``; skips planning.
-        sharders: TorchRec module sharders; default: TorchRec's default sharders.
-        constraints: ``{table name: ParameterConstraints}`` for the planner.
-        fused_params: Fused-optimizer parameters for the default EBC/EC sharders.
-
-    Returns:
-        The ``DistributedModelParallel`` model, or ``model`` itself in a single process.
-
-    Raises:
-        ValueError: When ``fused_params`` comes with ``sharders`` or ``constraints`` with ``plan``.
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        logger.info("torch.distributed is not initialised: the model is not sharded.")
-        return model
-    if sharders is not None and fused_params is not None:
-        raise ValueError("Pass fused_params or sharders, not both: set them on your sharders.")
-    if plan is not None and constraints is not None:
-        raise ValueError("constraints are only used to make a plan; a plan was given.")
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.planner import EmbeddingShardingPlanner
-
-    from lightning_torchrec.planning import make_topology, plan_collectively
-
-    if sharders is None:
-        sharders = _default_sharders(fused_params)
-    if plan is None:
-        world_size = dist.get_world_size()
-        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        topology = make_topology(world_size, local_world_size, device.type)
-        planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
-        # Rank 0 plans; a planning error reaches every rank instead of leaving them waiting.
-        plan = plan_collectively(planner, model, sharders, dist.GroupMember.WORLD, topology)
-    logger.info("Sharding the model with plan:\n%s", plan)
-    return DistributedModelParallel(module=model, device=device, plan=plan, sharders=sharders)
 
 
 def _assemble(shape: torch.Size, pieces: list[tuple[int, int, torch.Tensor]]) -> torch.Tensor:
@@ -398,7 +220,7 @@ def copy_into_shards(full_tables: dict[str, torch.Tensor], tables: dict[str, tor
     Args:
         full_tables: ``{key: whole tensor}`` (e.g. the values an unsharded module held).
         tables: ``{key: sharded or replicated tensor}`` of the sharded module, e.g.
-            ``lightning_torchrec.norms.embedding_tables(module)`` or ``module.state_dict()``.
+            ``lightning_torchrec.tables.embedding_tables(module)`` or ``module.state_dict()``.
 
     Raises:
         KeyError: naming a key of ``full_tables`` the sharded module does not have.

@@ -1,0 +1,159 @@
+"""Ranks, the collective device, and :func:`agree`: how every rank learns that some rank failed.
+
+A check that runs on one rank (a bad batch, a NaN loss, a file that cannot be read or written)
+must not leave the other ranks waiting in the next collective until the timeout, nor let them
+fail with a bare "Connection closed by peer". :func:`agree` makes any local verdict collective:
+every rank calls it at the same point with its own error (or None), and if any rank has one,
+every rank raises the same error type, naming the failing ranks and their messages. When no rank
+failed it costs one ``all_reduce`` of ``slots x world_size`` small integers.
+
+Everything here uses the default process group and is a no-op (or a local decision) without an
+initialised group of more than one rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from lightning_torchrec.errors import RankFailureError
+
+T = TypeVar("T")
+
+
+def is_distributed() -> bool:
+    """Whether a default process group of more than one rank is up.
+
+    Returns:
+        True when collectives reach other ranks.
+    """
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank_and_world_size() -> tuple[int, int]:
+    """This process's rank and the world size.
+
+    Returns:
+        ``(rank, world_size)``; ``(0, 1)`` when ``torch.distributed`` is not initialised.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def collective_device() -> torch.device:
+    """The device that tensors given to collectives of the default group must live on.
+
+    Returns:
+        The current CUDA device when the default backend is NCCL, else the CPU.
+    """
+    nccl = dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend())
+    if nccl and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def barrier() -> None:
+    """Waits for every rank (no-op without a process group)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def broadcast_from_rank0(fn: Callable[[], T]) -> T:
+    """Runs ``fn`` on rank 0 only and gives its result (picklable) to every rank.
+
+    An exception in ``fn`` is raised on every rank (see :func:`agree`), not left on rank 0 while
+    the others wait for the broadcast.
+
+    Args:
+        fn: the computation.
+
+    Returns:
+        Rank 0's result, on every rank.
+    """
+    if not is_distributed():
+        return fn()
+    result: Any = None
+    error: BaseException | None = None
+    if dist.get_rank() == 0:
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - raised on every rank by agree()
+            error = e
+    agree(error)
+    box = [result]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def ranks_where(flag: bool, device: torch.device | None = None) -> list[int]:
+    """Which ranks pass ``flag=True``; collective (one ``all_reduce`` of ``world_size`` ints).
+
+    Args:
+        flag: this rank's vote.
+        device: where the votes live (default: :func:`collective_device`).
+
+    Returns:
+        The ranks that voted True, the same list on every rank.
+    """
+    return _ranks_per_slot([flag], device)[0]
+
+
+def _ranks_per_slot(flags: list[bool], device: torch.device | None) -> list[list[int]]:
+    if not is_distributed():
+        return [[0] if f else [] for f in flags]
+    world, rank = dist.get_world_size(), dist.get_rank()
+    votes = torch.zeros(len(flags), world, dtype=torch.int32, device=device or collective_device())
+    votes[:, rank] = torch.tensor([int(f) for f in flags], dtype=torch.int32)
+    dist.all_reduce(votes)
+    return [[r for r, v in enumerate(row) if v] for row in votes.tolist()]
+
+
+def _rebuild(kind: type[BaseException], text: str) -> BaseException:
+    try:
+        error = kind(text)
+    except Exception:  # noqa: BLE001 - an error type that takes other arguments
+        return RankFailureError(text)
+    return error if isinstance(error, Exception) else RankFailureError(text)
+
+
+def agree(*errors: BaseException | None, device: torch.device | None = None) -> None:
+    """Raises on every rank if any rank passes an error. Collective: call it on every rank.
+
+    Each positional argument is a *slot* (e.g. "this step's batch" and "the previous step's
+    loss"); all slots are decided in one ``all_reduce``. The first slot in which some rank
+    failed is raised: the ranks' messages are gathered (only then, so the common case costs one
+    tiny collective), the failing rank re-raises its own error (chained, with the other failing
+    ranks' messages when there are several), and every other rank raises an error of the same
+    type saying ``"stopped because another rank failed: rank R: <message>"``.
+
+    Args:
+        *errors: this rank's verdict per slot: an exception, or None when this rank is fine.
+        device: where the votes live (default: :func:`collective_device`).
+
+    Raises:
+        BaseException: the agreed error, on every rank, when any rank failed in some slot.
+    """
+    if not is_distributed():
+        for error in errors:
+            if error is not None:
+                raise error
+        return
+    failing = _ranks_per_slot([e is not None for e in errors], device)
+    slot = next((i for i, ranks in enumerate(failing) if ranks), None)
+    if slot is None:
+        return
+    mine = errors[slot]
+    report = None if mine is None else (type(mine), str(mine))
+    reports: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, report)
+    found = [(r, rep) for r, rep in enumerate(reports) if rep is not None]
+    text = "; ".join(f"rank {r}: {message}" for r, (_, message) in found)
+    if mine is not None:
+        if len(found) == 1:
+            raise mine
+        raise _rebuild(type(mine), f"several ranks failed: {text}") from mine
+    raise _rebuild(found[0][1][0], f"stopped because another rank failed: {text}")

@@ -1,0 +1,36 @@
+"""Every exception type of the package, in one place (the bottom layer: imports nothing).
+
+Each error names its culprit (the table, key, id, file or rank). Errors found on one rank are
+agreed across ranks by :func:`lightning_torchrec.distributed.agree`: every rank raises the same
+type, and the message says which rank found what.
+"""
+
+from __future__ import annotations
+
+
+class BatchValidationError(ValueError):
+    """A batch the model cannot train on; the message names the feature, table, value, sample."""
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint's tensors do not fit the model or optimizer it is loaded into."""
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The training loss was NaN or infinite on some rank."""
+
+
+class NonFiniteCheckpointError(ValueError):
+    """A checkpoint would have stored a NaN or infinite weight or optimizer state."""
+
+
+class PeerFailureError(RuntimeError):
+    """A collective failed because another rank died or stopped answering."""
+
+
+class Preempted(SystemExit):
+    """Raised on every rank after the preemption checkpoint was written."""
+
+
+class RankFailureError(RuntimeError):
+    """Another rank failed with an error that could not be re-created here; names the rank."""
