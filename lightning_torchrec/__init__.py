@@ -12,6 +12,7 @@ from lightning_torchrec.callbacks import (
     WeightNormCallback,
 )
 from lightning_torchrec.checkpoint import is_sharded_checkpoint
+from lightning_torchrec.compat import filter_upstream_warnings
 from lightning_torchrec.consolidate import consolidate, load_plain_weights
 from lightning_torchrec.data import Batch, SyntheticClickData
 from lightning_torchrec.dlrm import DLRMClickModule
@@ -40,6 +41,7 @@ from lightning_torchrec.strategy import TorchRecStrategy
 from lightning_torchrec.tables import embedding_tables
 
 TorchRecStrategy.register_strategies(StrategyRegistry)
+filter_upstream_warnings()
 
 __version__ = "0.1.0"
 

@@ -40,6 +40,7 @@ from torchrec.optim.keyed import KeyedOptimizer
 from lightning_torchrec.distributed import agree, barrier, rank_and_world_size
 from lightning_torchrec.errors import CheckpointMismatchError, NonFiniteCheckpointError
 from lightning_torchrec.faults import nonfinite_tensors
+from lightning_torchrec.layout import global_shape
 from lightning_torchrec.optim import init_optimizer_state, optimizer_steps, set_optimizer_steps
 from lightning_torchrec.tables import table_of_key
 
@@ -210,8 +211,8 @@ def load_meta(path: str | Path, weights_only: bool = True) -> dict[str, Any]:
 
 
 def _global_shape(value: Any) -> tuple[int, ...] | None:
-    if isinstance(value, torch.Tensor):  # ShardedTensor and DTensor too: global size()
-        return tuple(value.size())
+    if isinstance(value, torch.Tensor):  # ShardedTensor and DTensor too
+        return tuple(global_shape(value))
     return None
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from typing import Any
 
 import torch
@@ -28,6 +29,8 @@ from typing_extensions import override
 
 __all__ = [
     "ResultsOnlyLauncher",
+    "UPSTREAM_WARNINGS",
+    "filter_upstream_warnings",
     "fused_kernels",
     "foreach_norm",
     "kernel_learning_rate",
@@ -220,6 +223,44 @@ def processed_epochs(trainer: Any) -> int:
         ``trainer.fit_loop.epoch_progress.current.processed``.
     """
     return int(trainer.fit_loop.epoch_progress.current.processed)
+
+
+#: Warnings that only a dependency can fix: (message regex, category, module regex, why). No
+#: colons in the regexes: pytest reads them as ini filters too (tests/conftest.py).
+UPSTREAM_WARNINGS: list[tuple[str, type[Warning], str, str]] = [
+    (
+        "`broadcast_buffers` is deprecated",
+        FutureWarning,
+        r"torchrec\.distributed\..*",
+        "TorchRec's DistributedModelParallel (torchrec <= 1.9) builds its DDP wrappers with "
+        "broadcast_buffers=False, which torch 2.13 deprecates.",
+    ),
+    (
+        "Please use DTensor instead and we are deprecating ShardedTensor",
+        FutureWarning,
+        r"torch\.distributed\.checkpoint\..*",
+        "TorchRec's sharded tables are ShardedTensors in their state dicts; "
+        "torch.distributed.checkpoint warns each time it plans one.",
+    ),
+    (
+        r"fbgemm..dense_embedding_codegen_lookup_function. an autograd kernel was not registered",
+        UserWarning,
+        r"torch\.autograd\..*",
+        "fbgemm-gpu-cpu registers no CPU autograd kernel for data-parallel tables; the update is "
+        "still exact (tests/test_strategy.py::test_data_parallel_tables_train_exactly_like_torch).",
+    ),
+]
+
+
+def filter_upstream_warnings() -> None:
+    """Silences :data:`UPSTREAM_WARNINGS`, each only for the dependency's module that emits it.
+
+    Called once when ``lightning_torchrec`` is imported. Warnings the package itself could avoid
+    are avoided instead (e.g. the planner's storage reservation gets a dense estimate, shapes of
+    ShardedTensors are read from their metadata).
+    """
+    for message, category, module, _why in UPSTREAM_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
 
 
 class ResultsOnlyLauncher(_MultiProcessingLauncher):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import struct
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_torchrec.checkpoint import MODEL_KEY, is_sharded_checkpoint
-from lightning_torchrec.layout import copy_into_shards
+from lightning_torchrec.layout import copy_into_shards, global_shape
 
 _DTYPES = {
     torch.float64: "F64",
@@ -76,7 +77,10 @@ def iter_plain_tensors(checkpoint: str | Path) -> Iterator[tuple[str, torch.Tens
     reader = dcp.FileSystemReader(str(checkpoint))
     for key, meta in _model_entries(checkpoint).items():
         tensor = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-        dcp.load({MODEL_KEY: {key: tensor}}, storage_reader=reader, no_dist=True)
+        with warnings.catch_warnings():
+            # DCP warns on every single-process load, even when asked for one (no_dist=True).
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load({MODEL_KEY: {key: tensor}}, storage_reader=reader, no_dist=True)
         yield key, tensor
 
 
@@ -199,9 +203,9 @@ def load_plain_weights(
     missing = [k for k in keys if k not in shapes]
     extra = [k for k in shapes if k not in target]
     wrong = [
-        f"{k}: file {list(shapes[k])}, model {list(target[k].size())}"
+        f"{k}: file {list(shapes[k])}, model {list(global_shape(target[k]))}"
         for k in keys
-        if k in shapes and tuple(target[k].size()) != shapes[k]
+        if k in shapes and tuple(global_shape(target[k])) != shapes[k]
     ]
     if wrong or (strict and (missing or extra)):
         raise ValueError(

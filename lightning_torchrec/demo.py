@@ -87,6 +87,7 @@ def main(args: list[str] | None = None) -> DemoCLI:
             ],
         },
         save_config_kwargs={"overwrite": True},
+        seed_everything_default=0,
         args=args,
     )
     trainer = cli.trainer

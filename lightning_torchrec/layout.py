@@ -77,7 +77,7 @@ def _sharded_tensor_info(tensor: ShardedTensor) -> ShardInfo:
         # A ShardedTensor over a sub-group: the other groups are assumed to hold replicas
         # (TorchRec 2D parallel); only the group containing global rank 0 is counted.
         counted = 0 in dist.get_process_group_ranks(pg)
-    return ShardInfo(shards, tensor.size(), replicated=False, counted=counted)
+    return ShardInfo(shards, global_shape(tensor), replicated=False, counted=counted)
 
 
 def _dtensor_info(tensor: DTensor) -> ShardInfo:
@@ -105,6 +105,23 @@ def _dtensor_info(tensor: DTensor) -> ShardInfo:
     shards = [LocalShard(local.detach(), *_offsets(offset))] if local.numel() > 0 else []
     counted = all(c == 0 for c, p in zip(coordinate, placements, strict=True) if p.is_replicate())
     return ShardInfo(shards, tensor.shape, replicated=replicated, counted=counted)
+
+
+def global_shape(tensor: torch.Tensor) -> torch.Size:
+    """The shape of the whole tensor, however it is laid out.
+
+    ``ShardedTensor.size()`` goes through torch's deprecated ShardedTensor dispatch (a
+    FutureWarning per call); its metadata holds the same size.
+
+    Args:
+        tensor: a plain tensor, ``ShardedTensor`` or ``DTensor``.
+
+    Returns:
+        The global shape.
+    """
+    if isinstance(tensor, ShardedTensor):
+        return torch.Size(tensor.metadata().size)
+    return tensor.shape
 
 
 def shard_info(tensor: torch.Tensor) -> ShardInfo:

@@ -24,3 +24,15 @@ def _no_process_group_left_behind() -> Iterator[None]:
         dist.destroy_process_group()
     os.environ.clear()
     os.environ.update(env)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The package's upstream-warning filters, also inside pytest's per-test warning capture.
+
+    pytest discards filters set while it collects (that is when ``lightning_torchrec`` is
+    imported), so the one list in ``compat.UPSTREAM_WARNINGS`` is applied as ini filters too.
+    """
+    from lightning_torchrec.compat import UPSTREAM_WARNINGS
+
+    for message, category, module, _why in UPSTREAM_WARNINGS:
+        config.addinivalue_line("filterwarnings", f"ignore:{message}:{category.__name__}:{module}")
