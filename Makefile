@@ -3,12 +3,14 @@
 # make docs  - build the documentation site (warnings are errors)
 # make bench - run the benchmarks (not part of make test)
 # make lint  - ruff
+# make test-compat - build (if needed) the oldest and newest supported TorchRec stacks and run
+#                    the multi-process core tests in each (downloads a few GB; not part of make test)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_ARGS ?=
 
-.PHONY: install demo test docs bench lint clean
+.PHONY: install demo test docs bench lint clean test-compat
 LINT_PATHS := lightning_torchrec tests benchmarks notebooks/*.py scripts/*.py docs/conf.py
 
 install: $(STAMP)
@@ -34,6 +36,9 @@ docs: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+
+test-compat:
+	scripts/test_compat.sh
 
 clean:
 	rm -rf $(VENV) lightning_logs .pytest_cache
