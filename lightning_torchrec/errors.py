@@ -34,3 +34,19 @@ class Preempted(SystemExit):
 
 class RankFailureError(RuntimeError):
     """Another rank failed with an error that could not be re-created here; names the rank."""
+
+
+class UnevenDataError(RuntimeError):
+    """Ranks have different numbers of batches; every rank raises it, with the counts."""
+
+
+class CheckpointCorruptError(ValueError):
+    """A checkpoint file is damaged (checksum mismatch, truncated, unreadable); names the file."""
+
+
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint file holds objects that could run code when loaded; names the file."""
+
+
+class CheckpointWriteError(OSError):
+    """Writing a checkpoint failed on some rank (e.g. disk full); names the file and the rank."""
