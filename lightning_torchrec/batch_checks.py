@@ -77,6 +77,14 @@ def _check_kjt(kjt: Any, specs: dict[str, FeatureSpec]) -> None:
             f"the lengths of sparse features {keys} sum to {total} but there are "
             f"{values.numel()} ids: lengths and values do not match."
         )
+    weighted = [k for k in keys if specs[k].weighted]
+    if weighted and kjt.weights_or_none() is None:
+        tables = sorted({specs[k].table for k in weighted})
+        raise BatchValidationError(
+            f"sparse feature(s) {weighted} are read by weighted table(s) {tables} "
+            "(EmbeddingBagCollection(is_weighted=True)), but the KeyedJaggedTensor carries no "
+            "weights: build it with weights=..., or make the collection unweighted."
+        )
     if not keys or values.numel() == 0:
         return
     per_key = torch.tensor(kjt.length_per_key(), dtype=torch.int64)

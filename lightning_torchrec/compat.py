@@ -33,6 +33,7 @@ __all__ = [
     "filter_upstream_warnings",
     "fused_kernels",
     "foreach_norm",
+    "is_last_batch",
     "kernel_learning_rate",
     "kernel_step",
     "layer_sync",
@@ -261,6 +262,31 @@ def filter_upstream_warnings() -> None:
     """
     for message, category, module, _why in UPSTREAM_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
+
+
+def is_last_batch(trainer: Any) -> bool:
+    """Whether the batch the running loop just fetched is its dataloader's last.
+
+    Lightning's loops prefetch one batch and record the answer in
+    ``loop.batch_progress.is_last_batch`` (lightning 2.0+) before the step runs.
+
+    Args:
+        trainer: the Trainer, inside a training, validation, test or predict step.
+
+    Returns:
+        True at the last batch of the running loop.
+    """
+    stage = str(trainer.state.stage.value) if trainer.state.stage is not None else ""
+    fitting = str(trainer.state.fn.value) == "fit"
+    if stage == "train":
+        loop = trainer.fit_loop.epoch_loop
+    elif stage in ("validate", "sanity_check"):
+        loop = trainer.fit_loop.epoch_loop.val_loop if fitting else trainer.validate_loop
+    elif stage == "test":
+        loop = trainer.test_loop
+    else:
+        loop = trainer.predict_loop
+    return bool(loop.batch_progress.is_last_batch)
 
 
 class ResultsOnlyLauncher(_MultiProcessingLauncher):

@@ -13,7 +13,7 @@ initialised group of more than one rank.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -89,6 +89,22 @@ def broadcast_from_rank0(fn: Callable[[], T]) -> T:
     return box[0]
 
 
+def all_gather(value: T) -> list[T]:
+    """Every rank's ``value`` (picklable), in rank order. Collective.
+
+    Args:
+        value: this rank's value.
+
+    Returns:
+        ``[value of rank 0, value of rank 1, ...]``; ``[value]`` without a process group.
+    """
+    if not is_distributed():
+        return [value]
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
 def ranks_where(flag: bool, device: torch.device | None = None) -> list[int]:
     """Which ranks pass ``flag=True``; collective (one ``all_reduce`` of ``world_size`` ints).
 
@@ -120,19 +136,28 @@ def _rebuild(kind: type[BaseException], text: str) -> BaseException:
     return error if isinstance(error, Exception) else RankFailureError(text)
 
 
-def agree(*errors: BaseException | None, device: torch.device | None = None) -> None:
+def agree(
+    *errors: BaseException | None,
+    flags: Sequence[bool] = (),
+    device: torch.device | None = None,
+) -> list[list[int]]:
     """Raises on every rank if any rank passes an error. Collective: call it on every rank.
 
     Each positional argument is a *slot* (e.g. "this step's batch" and "the previous step's
-    loss"); all slots are decided in one ``all_reduce``. The first slot in which some rank
-    failed is raised: the ranks' messages are gathered (only then, so the common case costs one
-    tiny collective), the failing rank re-raises its own error (chained, with the other failing
-    ranks' messages when there are several), and every other rank raises an error of the same
-    type saying ``"stopped because another rank failed: rank R: <message>"``.
+    loss"); all slots, and any boolean ``flags`` riding along, are decided in one
+    ``all_reduce``. The first slot in which some rank failed is raised: the ranks' messages are
+    gathered (only then, so the common case costs one tiny collective), the failing rank
+    re-raises its own error (chained, with the other failing ranks' messages when there are
+    several), and every other rank raises an error of the same type saying
+    ``"stopped because another rank failed: rank R: <message>"``.
 
     Args:
         *errors: this rank's verdict per slot: an exception, or None when this rank is fine.
+        flags: further votes to count in the same collective (e.g. "this is my last batch").
         device: where the votes live (default: :func:`collective_device`).
+
+    Returns:
+        For each flag, the ranks that voted True (the same on every rank).
 
     Raises:
         BaseException: the agreed error, on every rank, when any rank failed in some slot.
@@ -141,11 +166,12 @@ def agree(*errors: BaseException | None, device: torch.device | None = None) -> 
         for error in errors:
             if error is not None:
                 raise error
-        return
-    failing = _ranks_per_slot([e is not None for e in errors], device)
+        return [[0] if f else [] for f in flags]
+    votes = _ranks_per_slot([e is not None for e in errors] + list(flags), device)
+    failing, flagged = votes[: len(errors)], votes[len(errors) :]
     slot = next((i for i, ranks in enumerate(failing) if ranks), None)
     if slot is None:
-        return
+        return flagged
     mine = errors[slot]
     report = None if mine is None else (type(mine), str(mine))
     reports: list[Any] = [None] * dist.get_world_size()

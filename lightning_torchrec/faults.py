@@ -23,10 +23,12 @@ from typing import Any
 
 import torch
 
+from lightning_torchrec.batch_checks import check_batch
 from lightning_torchrec.compat import ShardedTensor
-from lightning_torchrec.distributed import agree, rank_and_world_size
-from lightning_torchrec.errors import NonFiniteLossError, PeerFailureError
+from lightning_torchrec.distributed import agree, all_gather, rank_and_world_size
+from lightning_torchrec.errors import NonFiniteLossError, PeerFailureError, UnevenDataError
 from lightning_torchrec.layout import shard_info
+from lightning_torchrec.tables import FeatureSpec
 
 
 def _loss_of(output: Any) -> torch.Tensor | None:
@@ -53,10 +55,56 @@ class StepGuard:
         device: the collective's device (CPU for gloo, CUDA for nccl).
     """
 
-    def __init__(self, on_nonfinite_loss: str, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        on_nonfinite_loss: str,
+        device: torch.device | None = None,
+        validate_batches: bool | int = True,
+    ) -> None:
         self.on_nonfinite_loss = on_nonfinite_loss
         self.device = device
+        self.validate_batches = validate_batches
+        self.specs: Mapping[str, FeatureSpec] = {}
+        self.dense_width: int | None = None
         self._pending: tuple[int, torch.Tensor] | None = None
+
+    def _checks(self, index: int) -> bool:
+        return self.validate_batches is True or index < self.validate_batches
+
+    def _verdict(self, batch: Any, where: str) -> Exception | None:
+        rank, _ = rank_and_world_size()
+        return check_batch(batch, self.specs, self.dense_width, f"rank {rank}, {where}")
+
+    def before_training_step(self, batch: Any, step: int, batch_idx: int, last: bool) -> None:
+        """The training step's checks, in one collective (see :meth:`check`).
+
+        Args:
+            batch: this rank's batch.
+            step: the global step.
+            batch_idx: the batch's index in the epoch.
+            last: whether this rank has no batch after this one in the epoch.
+        """
+        checked = self._checks(step)
+        verdict = self._verdict(batch, f"step {step}") if checked else None
+        self.check(verdict, checked, last, batch_idx)
+
+    def before_eval_step(self, batch: Any, stage: str, batch_idx: int, last: bool) -> None:
+        """An evaluation or predict step's batch check and batch-count vote. Collective.
+
+        Args:
+            batch: this rank's batch.
+            stage: ``"validation"``, ``"test"`` or ``"predict"``.
+            batch_idx: the batch's index.
+            last: whether this rank has no batch after this one.
+
+        Raises:
+            BatchValidationError: on every rank when any rank's batch is bad.
+            UnevenDataError: on every rank when only some ranks are at their last batch.
+        """
+        if self._checks(batch_idx):
+            verdict = self._verdict(batch, f"{stage} batch {batch_idx}")
+            (ranks,) = agree(verdict, flags=[last], device=self.device)
+            check_even(ranks, stage, batch_idx)
 
     @property
     def on_nonfinite_loss(self) -> str:
@@ -82,22 +130,37 @@ class StepGuard:
         value = loss.detach().reshape(-1)[:1] if loss is not None else torch.zeros(1)
         self._pending = (step, value)
 
-    def check(self, batch_error: Exception | None, batch_checked: bool) -> None:
+    def check(
+        self,
+        batch_error: Exception | None,
+        batch_checked: bool,
+        last_batch: bool = False,
+        batch_idx: int = 0,
+    ) -> None:
         """Raises on every rank if any rank's batch or previous loss was bad. Collective.
+
+        Whether this is the rank's last batch of the epoch rides along in the same collective:
+        ranks that disagree have different numbers of batches, and would otherwise hang in the
+        next step's collectives.
 
         Args:
             batch_error: this rank's validation error for the coming step, or None.
             batch_checked: whether batches are validated at this step (the same on every rank).
+            last_batch: whether this rank has no batch after this one in the epoch.
+            batch_idx: the batch's index in the epoch, for the message.
 
         Raises:
             BatchValidationError: on every rank when any rank's batch is bad (the failing rank
                 raises its own error; the others name it).
             NonFiniteLossError: on every rank when any rank's previous loss was NaN/inf.
+            UnevenDataError: on every rank when only some ranks are at their last batch.
         """
         pending, self._pending = self._pending, None
         if not batch_checked and pending is None:
             return
-        agree(batch_error, _nonfinite_loss_error(pending), device=self.device)
+        error = _nonfinite_loss_error(pending)
+        (last,) = agree(batch_error, error, flags=[last_batch], device=self.device)
+        check_even(last, "training", batch_idx)
 
     def flush(self) -> None:
         """Judges the last recorded loss (call at the end of training, on every rank)."""
@@ -114,6 +177,61 @@ def _nonfinite_loss_error(pending: tuple[int, torch.Tensor] | None) -> NonFinite
         f"{float(value[0])}). That step's update was applied, so the in-memory weights may be "
         "non-finite; checkpoints refuse non-finite values and the last one is intact. Check the "
         "batch (NaN features, extreme labels/weights) and lower the learning rate."
+    )
+
+
+def check_even(last_ranks: list[int], stage: str, batch_idx: int) -> None:
+    """Raises when only some ranks are at their last batch (call with an agreed rank list).
+
+    Args:
+        last_ranks: the ranks at their last batch of the epoch (from :func:`agree`'s flags).
+        stage: ``"training"``, ``"validation"``, ...
+        batch_idx: the index of the batch all ranks are at.
+
+    Raises:
+        UnevenDataError: naming the ranks and their batch counts, the same on every rank.
+    """
+    _, world = rank_and_world_size()
+    if not last_ranks or len(last_ranks) == world:
+        return
+    others = [r for r in range(world) if r not in last_ranks]
+    raise UnevenDataError(
+        f"the ranks have different numbers of {stage} batches in this epoch: rank(s) "
+        f"{last_ranks} have {batch_idx + 1}, rank(s) {others} have more. Every rank must get "
+        "the same number of batches (sharded tables run collectives in every step): use "
+        "Lightning's distributed sampler (use_distributed_sampler=True pads the last batches), "
+        "split iterable datasets evenly per rank, or drop the remainder."
+    )
+
+
+def check_counts(count: float, stage: str) -> None:
+    """Raises on every rank when the ranks' known batch counts differ. Collective.
+
+    Sized dataloaders are compared this way before the first step; unknown counts (``inf``) are
+    compared batch by batch in the step's collective.
+
+    Args:
+        count: this rank's number of batches (``inf`` when unknown).
+        stage: ``"training"``, ``"validation"``, ``"test"`` or ``"predict"``.
+
+    Raises:
+        UnevenDataError: naming every rank's count, the same on every rank.
+    """
+    counts = all_gather(float(count))
+    known = [c for c in counts if c != float("inf")]
+    if len(set(known)) <= 1:
+        return
+    listed = ", ".join(f"rank {r}: {c:g}" for r, c in enumerate(counts))
+    fix = (
+        "make the number of predict batches a multiple of the number of ranks (pad the "
+        "dataset), or predict on one device"
+        if stage == "predict"
+        else "use Lightning's distributed sampler (use_distributed_sampler=True pads the last "
+        "batches), or give every rank as many batches"
+    )
+    raise UnevenDataError(
+        f"the ranks have different numbers of {stage} batches ({listed}). Sharded tables run "
+        f"collectives in every step, so the shorter ranks would leave the others waiting: {fix}."
     )
 
 

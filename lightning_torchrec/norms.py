@@ -113,6 +113,19 @@ def _builtin_norms(items: list[tuple[str, str, ShardInfo]]) -> list[torch.Tensor
     return list(torch.where(is_l2, partial.sqrt(), partial).float().cpu().unbind())
 
 
+def is_whole_table_norm(fn: Callable[..., Any]) -> bool:
+    """Whether :func:`weights_to_log` computes ``fn`` over whole tables across ranks.
+
+    Args:
+        fn: a callable given as ``how_to_log``.
+
+    Returns:
+        True for the built-in norms (the same value on every rank); False for other callables,
+        whose values are per rank (``/rank{r}`` keys).
+    """
+    return bool(getattr(fn, "__hash__", None)) and fn in _BUILTIN
+
+
 def _fn_name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 

@@ -195,8 +195,12 @@ def combine_with_schedulers(
         The combined optimizer (``optimizer`` itself when it already is one).
     """
     combined = combine_optimizers(optimizer, module)
-    if combined is not optimizer and any(
-        getattr(s, "optimizer", None) is optimizer for s in schedulers
+    fused = combined.fused if isinstance(combined, DenseAndFusedOptimizer) else None
+    has_fused = fused is not None and bool(fused.params)
+    if (
+        has_fused
+        and combined is not optimizer
+        and any(getattr(s, "optimizer", None) is optimizer for s in schedulers)
     ):
         rank_zero_warn(
             "The LR scheduler from `configure_optimizers` drives the dense optimizer only; the "

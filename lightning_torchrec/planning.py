@@ -2,9 +2,12 @@
 
 :func:`shard_model` runs the configuration checks, plans on rank 0 (one plan for every rank;
 a planning failure is raised on every rank), wraps the model in ``DistributedModelParallel`` and
-keeps the values of tables that were built whole. ``TorchRecStrategy`` and
+keeps the values of tables that were built whole, and makes every sharded embedding module
+return its outputs in the unsharded module's key order (:mod:`lightning_torchrec.key_order`), so
+a model computes the same function under every plan and world size. ``TorchRecStrategy`` and
 :func:`maybe_shard_model` both call it, so both get the same default sharders (TorchRec's, with
-the fused optimizer of :func:`default_fused_params`), topology and checks.
+the fused optimizer of :func:`~lightning_torchrec.sharders.default_fused_params`), topology and
+checks.
 """
 
 from __future__ import annotations
@@ -12,18 +15,13 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
-from torchrec.distributed.embedding import EmbeddingCollectionSharder
-from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
-from torchrec.distributed.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
-from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner
 from torchrec.distributed.planner.storage_reservations import HeuristicalStorageReservation
@@ -34,11 +32,11 @@ from torchrec.distributed.planner.types import (
     TopologyFactory,
     TrainerConfig,
 )
-from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 
 from lightning_torchrec.compat import planner_topology
 from lightning_torchrec.distributed import broadcast_from_rank0
+from lightning_torchrec.key_order import keep_key_order
 from lightning_torchrec.layout import copy_into_shards
 from lightning_torchrec.plan_summary import PlanSummary, summarize_plan
 from lightning_torchrec.setup_checks import (
@@ -47,84 +45,27 @@ from lightning_torchrec.setup_checks import (
     check_fused_optimizer_for_device,
     check_plan,
     check_plan_matches_model,
+    device_constraints,
     explain_planner_error,
     warn_materialized,
 )
+from lightning_torchrec.sharders import default_sharders
 from lightning_torchrec.tables import (
+    FeatureSpec,
     dense_bytes,
+    dense_width,
+    embedding_modules,
     embedding_tables,
+    feature_specs,
     materialized_tables,
+    unwrap,
 )
 
 logger = logging.getLogger(__name__)
 
-#: Compute kernels whose tables are updated in the backward pass by a fused optimizer.
-FUSED_KERNELS = frozenset({"fused", "fused_uvm", "fused_uvm_caching", "key_value"})
-
 #: TorchRec's planner heuristic: dense parameters cost about 6x their size (weights, optimizer
 #: state, DDP buckets).
 DENSE_MULTIPLIER = 6
-
-
-def default_fused_params() -> dict[str, Any]:
-    """Fused embedding optimizer settings that train recommendation tables well.
-
-    Returns:
-        Row-wise Adagrad with learning rate 0.01 (one accumulator per row: small state, robust
-        to the skewed id frequencies of click data).
-    """
-    return {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.01, "eps": 1e-8}
-
-
-def resolve_fused_params(fused_params: dict[str, Any] | None) -> dict[str, Any]:
-    """User fused params over the defaults; ``optimizer`` may be given by name.
-
-    Args:
-        fused_params: e.g. ``{"learning_rate": 0.1}`` or
-            ``{"optimizer": "exact_rowwise_adagrad", "learning_rate": 0.1}``.
-
-    Returns:
-        Complete fused params.
-
-    Raises:
-        ValueError: for an unknown optimizer name, listing the known ones.
-    """
-    params = {**default_fused_params(), **(fused_params or {})}
-    opt = params["optimizer"]
-    if isinstance(opt, str):
-        by_name = {o.value: o for o in EmbOptimType} | {o.name.lower(): o for o in EmbOptimType}
-        if opt.lower() not in by_name:
-            raise ValueError(
-                f"Unknown fused optimizer {opt!r}; known: {sorted(o.value for o in EmbOptimType)}"
-            )
-        params["optimizer"] = by_name[opt.lower()]
-    return params
-
-
-def default_sharders(fused_params: dict[str, Any] | None) -> list[ModuleSharder[nn.Module]]:
-    """TorchRec's default sharders, the training ones with the fused optimizer's settings.
-
-    EBC, EC, feature-processed EBC and managed-collision EBC/EC sharders get ``fused_params``
-    (merged over :func:`default_fused_params`); the rest of TorchRec's defaults are kept as is.
-
-    Args:
-        fused_params: fused optimizer settings (``optimizer``, ``learning_rate``, ...).
-
-    Returns:
-        The sharders.
-    """
-    params = resolve_fused_params(fused_params)
-    ebc = EmbeddingBagCollectionSharder(fused_params=params)
-    ec = EmbeddingCollectionSharder(fused_params=params)
-    ours: list[Any] = [
-        ebc,
-        ec,
-        FeatureProcessedEmbeddingBagCollectionSharder(ebc_sharder=ebc),
-        ManagedCollisionEmbeddingBagCollectionSharder(ebc_sharder=ebc),
-        ManagedCollisionEmbeddingCollectionSharder(ec_sharder=ec),
-    ]
-    replaced = {type(s) for s in ours}
-    return [*ours, *(s for s in get_default_sharders() if type(s) not in replaced)]
 
 
 def make_topology(
@@ -183,22 +124,6 @@ def make_planner(
         )
     return EmbeddingShardingPlanner(
         topology=topology, constraints=constraints, storage_reservation=reservation
-    )
-
-
-def has_fused_tables(plan: ShardingPlan) -> bool:
-    """Whether any table in ``plan`` uses a fused (in-backward) compute kernel.
-
-    Args:
-        plan: the sharding plan.
-
-    Returns:
-        True when some table is fused.
-    """
-    return any(
-        ps.compute_kernel in FUSED_KERNELS
-        for module_plan in plan.plan.values()
-        for ps in module_plan.values()  # type: ignore[attr-defined]
     )
 
 
@@ -280,11 +205,29 @@ class ShardedModel(NamedTuple):
         dmp: the ``DistributedModelParallel`` wrapping the model.
         plan: the sharding plan in use.
         summary: the plan, readably (computed before sharding replaced the table configs).
+        feature_specs: what each sparse feature may hold (from the unsharded tables).
+        dense_width: the dense input width the model declares, or None.
     """
 
     dmp: DistributedModelParallel
     plan: ShardingPlan
     summary: PlanSummary
+    feature_specs: dict[str, FeatureSpec]
+    dense_width: int | None
+
+
+#: Models sharded in this process: a module is sharded once; a later Trainer reuses it.
+_SHARDED: weakref.WeakKeyDictionary[nn.Module, ShardedModel] = weakref.WeakKeyDictionary()
+
+
+def _reuse(sharded: ShardedModel, fused_params: dict[str, Any] | None) -> ShardedModel:
+    """The model sharded by an earlier call, with a new fused learning rate if one is given."""
+    lr = (fused_params or {}).get("learning_rate")
+    if lr is not None:
+        for group in sharded.dmp.fused_optimizer.param_groups:
+            group["lr"] = lr
+    logger.info("The model was sharded before in this process: reusing its sharding.")
+    return sharded
 
 
 def shard_model(
@@ -302,7 +245,9 @@ def shard_model(
     """Checks the configuration, plans (unless ``plan`` is given) and wraps ``model`` in DMP.
 
     Collective: call on every rank of the default process group. Tables built on the meta device
-    are materialised only as shards; tables built whole keep their values (with a warning).
+    are materialised only as shards; tables built whole keep their values (with a warning). A
+    module is sharded once per process: a later call (a second ``Trainer.fit``, a fine-tune
+    stage) reuses its sharding, applying a new fused ``learning_rate`` if one is given.
 
     Args:
         model: the unsharded model (tables usually on the meta device).
@@ -324,6 +269,8 @@ def shard_model(
             :mod:`lightning_torchrec.setup_checks` (on every rank).
     """
     config = ShardingConfig(sharders, plan, constraints, fused_params, planner)
+    if model in _SHARDED:
+        return _reuse(_SHARDED[model], fused_params)
     world_size = dist.get_world_size()
     compute_device = "cuda" if device.type == "cuda" else "cpu"
     check_constraints_for_device(constraints, compute_device)
@@ -336,10 +283,14 @@ def shard_model(
         if planner is None:
             local = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
             topology = make_topology(world_size, local, compute_device)
-            planner = make_planner(model, topology, constraints)
+            planner = make_planner(
+                model, topology, device_constraints(model, constraints, compute_device)
+            )
         plan = plan_collectively(planner, model, sharders, planner_topology(planner))
-    check_plan(plan, world_size, compute_device)
+    check_plan(plan, world_size, compute_device, model)
     summary = summarize_plan(model, plan, world_size)
+    modules = embedding_modules(model)  # before DMP replaces them with sharded ones
+    specs = feature_specs(model)
     materialized = materialized_tables(model)
     warn_materialized(materialized)
     dmp = DistributedModelParallel(
@@ -353,7 +304,11 @@ def shard_model(
     if materialized:
         # DistributedModelParallel re-initialises shards; keep the values the user built.
         copy_into_shards(materialized, embedding_tables(model))
-    return ShardedModel(dmp, plan, summary)
+    inner = unwrap(dmp)
+    for path, configs in modules.items():
+        keep_key_order(inner.get_submodule(path) if path else inner, configs)
+    _SHARDED[model] = ShardedModel(dmp, plan, summary, specs, dense_width(model))
+    return _SHARDED[model]
 
 
 def maybe_shard_model(
@@ -369,7 +324,8 @@ def maybe_shard_model(
 
     The same path as ``TorchRecStrategy`` (:func:`shard_model`): rank 0 plans for
     ``world_size`` ranks, ``LOCAL_WORLD_SIZE`` per host (default: all on one), on ``device.type``,
-    with TorchRec's default sharders carrying :func:`default_fused_params`.
+    with TorchRec's default sharders carrying
+    :func:`~lightning_torchrec.sharders.default_fused_params`.
 
     Args:
         model: the model, typically with embedding modules on the ``meta`` device.

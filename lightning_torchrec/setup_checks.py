@@ -6,6 +6,7 @@ configuration once: constraints, plans, fused optimizers, precision and fit sett
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from typing import Any
 
@@ -15,6 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.distributed.types import ShardingPlan
+from torchrec.modules.embedding_configs import EmbeddingConfig
 
 from lightning_torchrec.tables import human_bytes, module_table_configs, table_bytes, table_configs
 
@@ -72,21 +74,32 @@ def check_constraints_match_model(
         )
 
 
-def check_plan(plan: ShardingPlan, world_size: int, compute_device: str) -> None:
+def check_plan(
+    plan: ShardingPlan, world_size: int, compute_device: str, model: nn.Module | None = None
+) -> None:
     """Refuses a plan that cannot run on this world size and device.
 
     Args:
         plan: the sharding plan.
         world_size: number of processes.
         compute_device: ``"cpu"`` or ``"cuda"``.
+        model: the unsharded model, to recognise ``EmbeddingCollection`` tables.
 
     Raises:
-        ValueError: naming the table, for CUDA-only sharding types on CPU or ranks outside the
-            world.
+        ValueError: naming the table, for CUDA-only sharding types on CPU, data-parallel
+            ``EmbeddingCollection`` tables on CPU, or ranks outside the world.
     """
     for module_path, module_plan in plan.plan.items():
+        configs = module_table_configs(model, module_path) if model is not None else {}
         for table, ps in module_plan.items():  # type: ignore[attr-defined]
             where = f"table {table!r} of module {module_path!r}"
+            sequence = isinstance(configs.get(table), EmbeddingConfig)
+            if compute_device != "cuda" and sequence and ps.sharding_type == "data_parallel":
+                raise ValueError(
+                    f"The plan shards {where} (an EmbeddingCollection table) data_parallel, "
+                    "which TorchRec cannot run on CPU (its data-parallel sequence lookup fails in "
+                    "split_with_sizes). Use table_wise, column_wise or table_column_wise."
+                )
             if compute_device != "cuda" and ps.sharding_type in CUDA_ONLY_SHARDING_TYPES:
                 raise ValueError(
                     f"The plan shards {where} {ps.sharding_type}, which needs CUDA (gloo has no "
@@ -120,6 +133,55 @@ def check_plan_matches_model(plan: ShardingPlan, model: nn.Module) -> None:
                 f"does not have (its tables there: {sorted(configs)}; all tables: "
                 f"{list(table_configs(model))}). Re-plan for this model, or pass no plan."
             )
+
+
+#: Sharding types each kind of table can run on CPU (gloo has no reduce-scatter for row-wise;
+#: TorchRec's data-parallel sequence lookup fails on CPU).
+CPU_SHARDING_TYPES = ("table_wise", "column_wise", "table_column_wise", "data_parallel")
+CPU_SEQUENCE_SHARDING_TYPES = ("table_wise", "column_wise", "table_column_wise")
+
+
+def device_constraints(
+    model: nn.Module, constraints: dict[str, ParameterConstraints] | None, compute_device: str
+) -> dict[str, ParameterConstraints] | None:
+    """Planner constraints that keep every table to sharding types the device can run.
+
+    On CPU, the planner would otherwise pick row-wise types (e.g. for every
+    ``EmbeddingCollection`` table) that the strategy must then refuse. A user's own
+    ``sharding_types`` are narrowed, never widened.
+
+    Args:
+        model: the unsharded model.
+        constraints: the user's per-table constraints.
+        compute_device: ``"cpu"`` or ``"cuda"``.
+
+    Returns:
+        The constraints to plan with (``constraints`` itself on CUDA).
+
+    Raises:
+        ValueError: naming a table whose constraints leave no type the device can run.
+    """
+    if compute_device == "cuda":
+        return constraints
+    out = dict(constraints or {})
+    for name, cfg in table_configs(model).items():
+        allowed = (
+            CPU_SEQUENCE_SHARDING_TYPES if isinstance(cfg, EmbeddingConfig) else CPU_SHARDING_TYPES
+        )
+        given = out.get(name)
+        wanted = list(given.sharding_types or allowed) if given is not None else list(allowed)
+        kept = [t for t in wanted if t in allowed]
+        if not kept:
+            raise ValueError(
+                f"Table {name!r} is constrained to {sorted(wanted)} sharding, which cannot run on "
+                f"CPU for this table; use one of {list(allowed)}."
+            )
+        out[name] = (
+            dataclasses.replace(given, sharding_types=kept)
+            if given is not None
+            else ParameterConstraints(sharding_types=kept)
+        )
+    return out
 
 
 #: Fused optimizers fbgemm's CPU kernels implement (others fail deep inside DMP construction).

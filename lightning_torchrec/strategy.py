@@ -18,26 +18,29 @@ from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from typing_extensions import override
 
-from lightning_torchrec.batch_checks import check_batch
 from lightning_torchrec.checkpoint import load_sharded, remove_checkpoint, save_sharded
-from lightning_torchrec.compat import ResultsOnlyLauncher, layer_sync, processed_epochs
+from lightning_torchrec.compat import (
+    ResultsOnlyLauncher,
+    is_last_batch,
+    layer_sync,
+    processed_epochs,
+)
 from lightning_torchrec.data.sampling import set_sampler_epoch
-from lightning_torchrec.distributed import agree
-from lightning_torchrec.faults import StepGuard, peer_failure
+from lightning_torchrec.faults import StepGuard, check_counts, peer_failure
 from lightning_torchrec.optim import (
     DenseAndFusedOptimizer,
     combine_with_schedulers,
     keyed_optimizer,
 )
 from lightning_torchrec.plan_summary import PlanSummary, log_plan
-from lightning_torchrec.planning import ShardingConfig, has_fused_tables, shard_model
+from lightning_torchrec.planning import ShardingConfig, shard_model
 from lightning_torchrec.setup_checks import (
     check_fused_precision,
     check_fused_training,
     check_precision,
     check_sync_batchnorm,
 )
-from lightning_torchrec.tables import dense_width, feature_specs
+from lightning_torchrec.sharders import has_fused_tables
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +122,7 @@ class TorchRecStrategy(DDPStrategy):
         check_finite_checkpoints: bool = True,
     ) -> None:
         self.sharding = ShardingConfig(sharders, plan, constraints, fused_params, planner)
-        self._guard = StepGuard(on_nonfinite_loss)
+        self._guard = StepGuard(on_nonfinite_loss, validate_batches=validate_batches)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -136,15 +139,12 @@ class TorchRecStrategy(DDPStrategy):
         self.load_optimizer_states = load_optimizer_states
         self.collective_timeout = timeout
         self.start_method = start_method
-        self.validate_batches = validate_batches
         self.check_finite_checkpoints = check_finite_checkpoints
         self._dmp: DistributedModelParallel | None = None
         self._plan: ShardingPlan | None = None
         self._sharded_module: L.LightningModule | None = None
         self._results_launcher: ResultsOnlyLauncher | None = None
         self.plan_summary: PlanSummary | None = None
-        self._feature_specs: dict[str, Any] = {}
-        self._dense_width: int | None = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -165,6 +165,15 @@ class TorchRecStrategy(DDPStrategy):
     @on_nonfinite_loss.setter
     def on_nonfinite_loss(self, mode: str) -> None:
         self._guard.on_nonfinite_loss = mode
+
+    @property
+    def validate_batches(self) -> bool | int:
+        """Which batches are checked before the forward (settable; see the class docstring)."""
+        return self._guard.validate_batches
+
+    @validate_batches.setter
+    def validate_batches(self, value: bool | int) -> None:
+        self._guard.validate_batches = value
 
     @property
     @override
@@ -218,8 +227,6 @@ class TorchRecStrategy(DDPStrategy):
         if sync is not None:
             check_sync_batchnorm(self.root_device)
             module = sync.apply(module)
-        self._feature_specs = feature_specs(module)  # before sharding replaces the configs
-        self._dense_width = dense_width(module)
         sharded = shard_model(
             module,
             self.root_device,
@@ -227,7 +234,8 @@ class TorchRecStrategy(DDPStrategy):
             data_parallel_wrapper=self.data_parallel_wrapper,
             **vars(self.sharding),
         )
-        self._dmp, self._plan, self.plan_summary = sharded
+        self._dmp, self._plan, self.plan_summary = sharded.dmp, sharded.plan, sharded.summary
+        self._guard.specs, self._guard.dense_width = sharded.feature_specs, sharded.dense_width
         self._sharded_module = module
         if self.log_plan and self.is_global_zero:
             log_plan(self.plan_summary, trainer.loggers)
@@ -249,14 +257,6 @@ class TorchRecStrategy(DDPStrategy):
             if isinstance(opt, DenseAndFusedOptimizer):
                 opt.push_fused_lr()
 
-    def _checks_batch(self, step: int) -> bool:
-        return self.validate_batches is True or step < self.validate_batches
-
-    def _batch_verdict(self, batch: Any, where: str) -> Exception | None:
-        return check_batch(
-            batch, self._feature_specs, self._dense_width, f"rank {self.global_rank}, {where}"
-        )
-
     def _collective(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
@@ -268,24 +268,47 @@ class TorchRecStrategy(DDPStrategy):
         # The fused kernels read the LR during backward; a scheduler's change made after the
         # last step must reach them before this forward (and the first step after a resume).
         self._push_fused_lr()
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        step = trainer.global_step if trainer is not None else 0
-        checked = self._checks_batch(step)
+        trainer = self.lightning_module.trainer
+        step, batch_idx = trainer.global_step, int(args[1] if len(args) > 1 else 0)
+        last = is_last_batch(trainer) or batch_idx + 1 >= trainer.num_training_batches
+        last = last or 0 < trainer.max_steps <= step + 1
+        # One collective: this step's batch verdict, the previous step's loss verdict, and
+        # whether every rank is (or no rank is) at its last batch.
         batch = args[0] if args else kwargs.get("batch")
-        verdict = self._batch_verdict(batch, f"step {step}") if checked else None
-        # One collective for this step's batch verdict and the previous step's loss verdict.
-        self._collective(self._guard.check, verdict, checked)
+        self._collective(self._guard.before_training_step, batch, step, batch_idx, last)
         output = self._collective(super().training_step, *args, **kwargs)
         self._guard.record_loss(output, step)
         return output
 
     def _eval_step(self, step_fn: Any, stage: str, args: Any, kwargs: Any) -> Any:
         batch_idx = int(args[1] if len(args) > 1 else kwargs.get("batch_idx", 0))
-        if self._checks_batch(batch_idx):
-            batch = args[0] if args else kwargs.get("batch")
-            verdict = self._batch_verdict(batch, f"{stage} batch {batch_idx}")
-            self._collective(agree, verdict, device=self.root_device)
+        last = is_last_batch(self.lightning_module.trainer)
+        batch = args[0] if args else kwargs.get("batch")
+        self._collective(self._guard.before_eval_step, batch, stage, batch_idx, last)
         return self._collective(step_fn, *args, **kwargs)
+
+    def _check_batch_counts(self, stage: str, count: float) -> None:
+        self._collective(check_counts, count, stage)
+
+    @override
+    def on_train_start(self) -> None:
+        self._check_batch_counts("training", self.lightning_module.trainer.num_training_batches)
+
+    @override
+    def on_validation_start(self) -> None:
+        self._check_batch_counts("validation", sum(self.lightning_module.trainer.num_val_batches))
+
+    @override
+    def on_test_start(self) -> None:
+        self._check_batch_counts("test", sum(self.lightning_module.trainer.num_test_batches))
+
+    @override
+    def on_predict_start(self) -> None:
+        self._check_batch_counts("predict", sum(self.lightning_module.trainer.num_predict_batches))
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step(super().predict_step, "predict", args, kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

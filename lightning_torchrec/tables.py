@@ -9,6 +9,7 @@ meta device) and on models inside ``DistributedModelParallel``.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -186,11 +187,13 @@ class FeatureSpec:
         feature: the KJT key.
         table: the (smallest) table reading it.
         num_embeddings: rows of that table: ids must lie in ``[0, num_embeddings)``.
+        weighted: a weighted EBC reads it (``is_weighted=True``): the batch must carry weights.
     """
 
     feature: str
     table: str
     num_embeddings: int
+    weighted: bool = False
 
 
 def feature_specs(model: nn.Module) -> dict[str, FeatureSpec]:
@@ -203,11 +206,18 @@ def feature_specs(model: nn.Module) -> dict[str, FeatureSpec]:
         One spec per feature name; a feature read by several tables gets the smallest table.
     """
     specs: dict[str, FeatureSpec] = {}
-    for cfg in table_configs(model).values():
-        for feature in cfg.feature_names:
-            old = specs.get(feature)
-            if old is None or cfg.num_embeddings < old.num_embeddings:
-                specs[feature] = FeatureSpec(feature, cfg.name, cfg.num_embeddings)
+    inner = unwrap(model)
+    for path, configs in embedding_modules(inner).items():
+        module = inner.get_submodule(path) if path else inner
+        weighted = bool(getattr(module, "is_weighted", lambda: False)())
+        for cfg in configs:
+            for feature in cfg.feature_names:
+                old = specs.get(feature)
+                if old is None or cfg.num_embeddings < old.num_embeddings:
+                    weighted = weighted or bool(old and old.weighted)
+                    specs[feature] = FeatureSpec(feature, cfg.name, cfg.num_embeddings, weighted)
+                elif weighted:
+                    specs[feature] = dataclasses.replace(old, weighted=True)
     return specs
 
 

@@ -15,8 +15,9 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_torchrec.distributed import is_distributed
 from lightning_torchrec.ebc_norms import log_ebc_norms
-from lightning_torchrec.norms import weights_to_log
+from lightning_torchrec.norms import is_whole_table_norm, l2_norm, weights_to_log
 from lightning_torchrec.tables import embedding_tables, table_of_key
 
 HowToLog = Callable[[torch.Tensor], Any] | Mapping[str, Callable[[torch.Tensor], Any]] | None
@@ -163,8 +164,16 @@ class WeightNormCallback(_NormCallback):
 
     @override
     def _compute(self, pl_module: L.LightningModule) -> dict[str, float]:
-        values = weights_to_log(pl_module, self.how_to_log)
-        return {k: float(v) for k, v in values.items()}
+        values = {k: float(v) for k, v in weights_to_log(pl_module, self.how_to_log).items()}
+        how = self.how_to_log
+        fns = list(how.values()) if isinstance(how, Mapping) else [how or l2_norm]
+        if is_distributed() and not all(is_whole_table_norm(fn) for fn in fns):
+            # Other callables give per-rank values (``/rank{r}`` keys): rank 0 logs them all.
+            gathered: list[Any] = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(gathered, values)
+            for rank_values in gathered:
+                values.update(rank_values)
+        return values
 
 
 class EmbeddingNormCallback(_NormCallback):

@@ -1,0 +1,134 @@
+"""Sharded embedding modules return their outputs in the unsharded module's key order.
+
+A sharded ``EmbeddingBagCollection`` groups its output ``KeyedTensor``'s keys by sharding type
+(TorchRec builds one output dist per sharding type and concatenates them), not in the order of
+its tables. A model reading ``ebc(kjt).values()`` positionally (TorchRec's DLRM avoids it with
+``to_dict()``) then computes one function under one plan and another under another plan, world
+size, or unsharded after consolidation. :func:`keep_key_order` appends one callback to the
+awaitable every sharded EBC/EC returns (from ``output_dist`` and ``compute_and_output_dist``,
+the calls TorchRec's train pipelines make too) that restores the unsharded order: a column
+permutation of the pooled embeddings (one ``index_select``, skipped when the order already
+matches) or a re-keyed dict for an ``EmbeddingCollection``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig
+from torchrec.modules.embedding_modules import get_embedding_names_by_table
+from torchrec.sparse.jagged_tensor import KeyedTensor
+
+_OUTPUT_CALLS = ("output_dist", "compute_and_output_dist")
+
+
+def unsharded_key_order(configs: list[BaseEmbeddingConfig]) -> list[str]:
+    """The output keys of an unsharded EBC/EC with these tables, in its order.
+
+    Args:
+        configs: the module's table configs, in module order.
+
+    Returns:
+        Feature names (``feature@table`` for a feature read by several tables).
+    """
+    return [name for names in get_embedding_names_by_table(configs) for name in names]
+
+
+class KeyedTensorOrder:
+    """Re-keys ``KeyedTensor`` outputs to a target key order (idempotent; caches the index).
+
+    Args:
+        keys: the target order.
+    """
+
+    def __init__(self, keys: list[str]) -> None:
+        self.keys = list(keys)
+        self._index: dict[tuple[tuple[str, ...], torch.device], torch.Tensor] = {}
+
+    def __call__(self, kt: KeyedTensor) -> KeyedTensor:
+        """Returns ``kt`` with its keys in the target order.
+
+        Args:
+            kt: a pooled output.
+
+        Returns:
+            ``kt`` itself when the order matches, else a reordered ``KeyedTensor``.
+        """
+        keys = kt.keys()
+        if keys == self.keys:
+            return kt
+        lengths = dict(zip(keys, kt.length_per_key(), strict=True))
+        values = kt.values()
+        cache_key = (tuple(keys), values.device)
+        index = self._index.get(cache_key)
+        if index is None:
+            offsets = dict(zip(keys, kt.offset_per_key()[:-1], strict=True))
+            columns = [
+                torch.arange(offsets[k], offsets[k] + lengths[k], dtype=torch.long)
+                for k in self.keys
+            ]
+            index = torch.cat(columns).to(values.device)
+            self._index[cache_key] = index
+        return KeyedTensor(
+            keys=self.keys,
+            length_per_key=[lengths[k] for k in self.keys],
+            values=values.index_select(kt.key_dim(), index),
+            key_dim=kt.key_dim(),
+        )
+
+
+class DictOrder:
+    """Re-keys dict outputs (an ``EmbeddingCollection``'s ``{feature: JaggedTensor}``).
+
+    Args:
+        keys: the target order; keys not listed keep their order after them.
+    """
+
+    def __init__(self, keys: list[str]) -> None:
+        self.keys = list(keys)
+
+    def __call__(self, out: dict[str, Any]) -> dict[str, Any]:
+        """Returns ``out`` with its keys in the target order.
+
+        Args:
+            out: ``{feature: JaggedTensor}``.
+
+        Returns:
+            ``out`` itself when the order matches, else a reordered dict.
+        """
+        if list(out) == self.keys:
+            return out
+        ordered = {k: out[k] for k in self.keys if k in out}
+        ordered.update((k, v) for k, v in out.items() if k not in ordered)
+        return ordered
+
+
+def _with_callback(call: Callable[..., Any], reorder: Callable[[Any], Any]) -> Callable[..., Any]:
+    def ordered_call(*args: Any, **kwargs: Any) -> Any:
+        awaitable = call(*args, **kwargs)
+        if reorder not in awaitable.callbacks:
+            awaitable.callbacks.append(reorder)
+        return awaitable
+
+    return ordered_call
+
+
+def keep_key_order(sharded: nn.Module, configs: list[BaseEmbeddingConfig]) -> None:
+    """Makes a sharded EBC/EC return its outputs in the unsharded module's key order.
+
+    Args:
+        sharded: the ``ShardedEmbeddingBagCollection``/``ShardedEmbeddingCollection``.
+        configs: the table configs of the unsharded module it replaced, in module order.
+    """
+    keys = unsharded_key_order(configs)
+    pooled = all(isinstance(c, EmbeddingBagConfig) for c in configs)
+    reorder: Callable[[Any], Any] = KeyedTensorOrder(keys) if pooled else DictOrder(keys)
+    for name in _OUTPUT_CALLS:
+        call = getattr(sharded, name, None)
+        if callable(call):
+            # An instance attribute: TorchRec's forward and its pipelines' rewritten forwards
+            # call these through the instance.
+            object.__setattr__(sharded, name, _with_callback(call, reorder))

@@ -1,0 +1,95 @@
+"""Sharders and the fused embedding optimizer's settings: what trains the sharded tables."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torch import nn
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
+from torchrec.distributed.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
+from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
+from torchrec.distributed.sharding_plan import get_default_sharders
+from torchrec.distributed.types import ModuleSharder, ShardingPlan
+
+#: Compute kernels whose tables are updated in the backward pass by a fused optimizer.
+FUSED_KERNELS = frozenset({"fused", "fused_uvm", "fused_uvm_caching", "key_value"})
+
+
+def default_fused_params() -> dict[str, Any]:
+    """Fused embedding optimizer settings that train recommendation tables well.
+
+    Returns:
+        Row-wise Adagrad with learning rate 0.01 (one accumulator per row: small state, robust
+        to the skewed id frequencies of click data).
+    """
+    return {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.01, "eps": 1e-8}
+
+
+def resolve_fused_params(fused_params: dict[str, Any] | None) -> dict[str, Any]:
+    """User fused params over the defaults; ``optimizer`` may be given by name.
+
+    Args:
+        fused_params: e.g. ``{"learning_rate": 0.1}`` or
+            ``{"optimizer": "exact_rowwise_adagrad", "learning_rate": 0.1}``.
+
+    Returns:
+        Complete fused params.
+
+    Raises:
+        ValueError: for an unknown optimizer name, listing the known ones.
+    """
+    params = {**default_fused_params(), **(fused_params or {})}
+    opt = params["optimizer"]
+    if isinstance(opt, str):
+        by_name = {o.value: o for o in EmbOptimType} | {o.name.lower(): o for o in EmbOptimType}
+        if opt.lower() not in by_name:
+            raise ValueError(
+                f"Unknown fused optimizer {opt!r}; known: {sorted(o.value for o in EmbOptimType)}"
+            )
+        params["optimizer"] = by_name[opt.lower()]
+    return params
+
+
+def default_sharders(fused_params: dict[str, Any] | None) -> list[ModuleSharder[nn.Module]]:
+    """TorchRec's default sharders, the training ones with the fused optimizer's settings.
+
+    EBC, EC, feature-processed EBC and managed-collision EBC/EC sharders get ``fused_params``
+    (merged over :func:`default_fused_params`); the rest of TorchRec's defaults are kept as is.
+
+    Args:
+        fused_params: fused optimizer settings (``optimizer``, ``learning_rate``, ...).
+
+    Returns:
+        The sharders.
+    """
+    params = resolve_fused_params(fused_params)
+    ebc = EmbeddingBagCollectionSharder(fused_params=params)
+    ec = EmbeddingCollectionSharder(fused_params=params)
+    ours: list[Any] = [
+        ebc,
+        ec,
+        FeatureProcessedEmbeddingBagCollectionSharder(ebc_sharder=ebc),
+        ManagedCollisionEmbeddingBagCollectionSharder(ebc_sharder=ebc),
+        ManagedCollisionEmbeddingCollectionSharder(ec_sharder=ec),
+    ]
+    replaced = {type(s) for s in ours}
+    return [*ours, *(s for s in get_default_sharders() if type(s) not in replaced)]
+
+
+def has_fused_tables(plan: ShardingPlan) -> bool:
+    """Whether any table in ``plan`` uses a fused (in-backward) compute kernel.
+
+    Args:
+        plan: the sharding plan.
+
+    Returns:
+        True when some table is fused.
+    """
+    return any(
+        ps.compute_kernel in FUSED_KERNELS
+        for module_plan in plan.plan.values()
+        for ps in module_plan.values()  # type: ignore[attr-defined]
+    )
