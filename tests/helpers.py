@@ -1,13 +1,16 @@
-"""Shared helpers for tests that launch real processes."""
+"""Shared helpers for tests that launch real processes or need a process group."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import torch
+import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -73,3 +76,18 @@ def assert_same(a, b, path: str = "") -> None:
             assert_same(x, y, f"{path}[{i}]")
     else:
         assert a == b, f"{path}: {a} != {b}"
+
+
+@pytest.fixture
+def one_rank_group(tmp_path: Path) -> Iterator[None]:
+    """A one-rank gloo default process group for one test, destroyed after it.
+
+    Use with ``@pytest.mark.usefixtures("one_rank_group")`` after importing it into the test file.
+    """
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

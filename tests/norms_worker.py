@@ -20,7 +20,6 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.distributed.types import ShardingEnv
 
 from lightning_torchrec.ebc_norms import log_ebc_norms
@@ -28,6 +27,7 @@ from lightning_torchrec.layout import log_sharded_tensor_content
 from lightning_torchrec.norms import l1_norm, max_norm, weights_to_log
 from lightning_torchrec.planning import maybe_shard_model
 from lightning_torchrec.tables import embedding_tables
+from tests.scripts.factory import sharding_constraints  # the spawn copies the parent's sys.path
 
 # name: (rows, dim, sharding type)
 TABLES = {
@@ -120,10 +120,8 @@ def _run(rank: int, out_dir: str) -> None:
     torch.manual_seed(0)
     model = Model()
     unwrapped_names = [name for name, _ in model.named_parameters()]
-    constraints = {
-        name: ParameterConstraints(sharding_types=[kind], min_partition=8)
-        for name, (_, _, kind) in TABLES.items()
-    }
+    types = {name: kind for name, (_, _, kind) in TABLES.items()}
+    constraints = sharding_constraints(types, min_partition=8)
     sharder = _sharder()
     dmp = maybe_shard_model(model, torch.device("cpu"), sharders=[sharder], constraints=constraints)
     assert isinstance(dmp, DistributedModelParallel)

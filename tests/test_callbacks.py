@@ -13,7 +13,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_torchrec import EmbeddingNormCallback, TorchRecStrategy, WeightNormCallback
 from lightning_torchrec.norms import l1_norm
-from tests.test_strategy import TABLE_WISE, data, dlrm
+from tests.scripts.factory import cpu_trainer, table_wise, tiny_data, tiny_dlrm
 
 
 class RecordingLogger(Logger):
@@ -49,23 +49,15 @@ class RecordingLogger(Logger):
 
 
 def fit(callbacks: list, loggers: Any = None, **kwargs: Any) -> tuple[L.Trainer, Any]:
-    model = dlrm()
+    model = tiny_dlrm()
     defaults: dict[str, Any] = dict(
-        accelerator="cpu",
-        devices=1,
         max_steps=6,
         logger=loggers if loggers is not None else [],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
         limit_val_batches=0,
         callbacks=callbacks,
-        strategy=TorchRecStrategy(constraints=TABLE_WISE),
     )
-    defaults.update(kwargs)
-    trainer = L.Trainer(**defaults)
-    trainer.fit(model, datamodule=data())
+    trainer = cpu_trainer(**(defaults | kwargs))
+    trainer.fit(model, datamodule=tiny_data())
     return trainer, model
 
 
@@ -128,7 +120,7 @@ def test_bad_arguments_fail_at_construction() -> None:
 
 def test_gradient_accumulation_logs_each_step_once() -> None:
     log = RecordingLogger()
-    strategy = TorchRecStrategy(constraints=TABLE_WISE, allow_fused_gradient_accumulation=True)
+    strategy = TorchRecStrategy(constraints=table_wise(2), allow_fused_gradient_accumulation=True)
     fit(
         [WeightNormCallback(every_n_steps=1)],
         loggers=[log],
@@ -151,17 +143,12 @@ def test_fast_dev_run_works() -> None:
 
 def test_validation_only_run_logs_once_at_its_step() -> None:
     log = RecordingLogger()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
+    trainer = cpu_trainer(
         logger=[log],
         limit_val_batches=1,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        strategy=TorchRecStrategy(constraints=TABLE_WISE),
         callbacks=[WeightNormCallback(), EmbeddingNormCallback()],
     )
-    trainer.validate(dlrm(), datamodule=data(), verbose=False)
+    trainer.validate(tiny_dlrm(), datamodule=tiny_data(), verbose=False)
     assert log.steps_with("model/") == [0]
     assert log.steps_with("embedding_norms/") == [0]
     assert all(torch.isfinite(torch.tensor(v)) for v in log.last("embedding_norms/").values())
@@ -180,21 +167,14 @@ def test_resumed_run_logs_no_duplicate_or_stale_points(tmp_path) -> None:
     )
     assert first.steps_with("model/") == [2, 4]
     resumed = RecordingLogger()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
+    trainer = cpu_trainer(
         max_steps=8,
         logger=[resumed],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
         default_root_dir=tmp_path,
-        num_sanity_val_steps=0,
         limit_val_batches=0,
         callbacks=[WeightNormCallback(every_n_steps=2)],
-        strategy=TorchRecStrategy(constraints=TABLE_WISE),
     )
-    trainer.fit(dlrm(), datamodule=data(), ckpt_path=tmp_path / "epoch=0-step=4.ckpt")
+    trainer.fit(tiny_dlrm(), datamodule=tiny_data(), ckpt_path=tmp_path / "epoch=0-step=4.ckpt")
     assert resumed.steps_with("model/") == [6, 8]
 
 
@@ -219,7 +199,7 @@ def test_nonfinite_norms_are_reported_as_such() -> None:
         WeightNormCallback(every_n_steps=2),
         EmbeddingNormCallback(every_n_steps=2),
     ]
-    strategy = TorchRecStrategy(constraints=TABLE_WISE, check_finite_checkpoints=False)
+    strategy = TorchRecStrategy(constraints=table_wise(2), check_finite_checkpoints=False)
     with pytest.warns(UserWarning, match="Non-finite norms at step 2"):
         fit(callbacks, loggers=[log], max_steps=2, strategy=strategy)
     weights, tables = log.last("model/"), log.last("embedding_norms/")

@@ -10,40 +10,29 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torchrec.distributed.planner.types import ParameterConstraints
 
 from lightning_torchrec import DLRMClickModule, SyntheticClickData, TorchRecStrategy
 from lightning_torchrec.checkpoint import META_FILE, is_sharded_checkpoint
 from lightning_torchrec.consolidate import consolidate, load_plain_weights, main, read_plain
 from lightning_torchrec.errors import CheckpointMismatchError
 from lightning_torchrec.optim import optimizer_steps, set_optimizer_steps
-from tests.test_strategy import trainer as strategy_trainer
+from tests.scripts.factory import adam, cpu_trainer, table_wise, tiny_data, tiny_dlrm
 
 ROWS = 60
 
 
 def data(tables: int = 2) -> SyntheticClickData:
-    return SyntheticClickData(
-        num_embeddings=ROWS, num_sparse_features=tables, batch_size=16, train_batches=6
-    )
+    return tiny_data(ROWS, tables, batch_size=16, train_batches=6)
 
 
 def dlrm(rows: list[int] | None = None, dim: int = 4) -> DLRMClickModule:
-    return DLRMClickModule(
-        rows or [ROWS, ROWS],
-        embedding_dim=dim,
-        dense_arch_layer_sizes=[dim],
-        over_arch_layer_sizes=[4, 1],
-        optimizer=lambda p: torch.optim.Adam(p, lr=1e-2),
-    )
+    return tiny_dlrm(rows or ROWS, embedding_dim=dim, **adam(1e-2))
 
 
 def trainer(root: Path, tables: int = 2, **kwargs: Any) -> L.Trainer:
-    constraints = {
-        f"t_cat_{i}": ParameterConstraints(sharding_types=["table_wise"]) for i in range(tables)
-    }
-    strategy = TorchRecStrategy(constraints=constraints, log_plan=False)
-    return strategy_trainer(strategy, default_root_dir=root, **kwargs)
+    strategy = TorchRecStrategy(constraints=table_wise(tables), log_plan=False)
+    defaults: dict[str, Any] = dict(max_steps=3, limit_val_batches=0, default_root_dir=root)
+    return cpu_trainer(strategy, **(defaults | kwargs))
 
 
 def plain_state(module: L.LightningModule) -> dict[str, torch.Tensor]:

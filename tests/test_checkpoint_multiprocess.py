@@ -9,15 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import pytest
 import torch
-from torchrec.distributed.planner.types import ParameterConstraints
 
-from lightning_torchrec import DLRMClickModule, SyntheticClickData, TorchRecStrategy
+from lightning_torchrec import TorchRecStrategy
 from lightning_torchrec.consolidate import read_plain
 from lightning_torchrec.optim import optimizer_steps
 from tests.helpers import assert_same, load_ranks, run_script
+from tests.scripts.factory import WIDE, cpu_trainer, table_wise, tiny_data, tiny_dlrm
 
 TABLES = [f"t_cat_{i}" for i in range(4)]
 EBC = "model_and_loss.model.sparse_arch.embedding_bag_collection"
@@ -112,34 +111,15 @@ def test_plain_weights_fill_each_ranks_shards(run: Path) -> None:
 
 
 def test_two_rank_checkpoint_loads_on_one_rank(run: Path) -> None:
-    data = SyntheticClickData(
-        num_embeddings=40,
-        num_sparse_features=4,
-        ids_per_feature=2,
-        batch_size=64,
-        train_batches=20,
-        seed=5,
+    data = tiny_data(40, 4, ids_per_feature=2, batch_size=64, train_batches=20, seed=5)
+    model = tiny_dlrm(data.num_embeddings_per_feature, **WIDE)
+    strategy = TorchRecStrategy(
+        fused_params={"learning_rate": 0.1}, constraints=table_wise(TABLES), log_plan=False
     )
-    model = DLRMClickModule(
-        data.num_embeddings_per_feature,
-        embedding_dim=8,
-        dense_arch_layer_sizes=[16, 8],
-        over_arch_layer_sizes=[16, 1],
-    )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=TorchRecStrategy(
-            fused_params={"learning_rate": 0.1},
-            constraints={t: ParameterConstraints(sharding_types=["table_wise"]) for t in TABLES},
-            log_plan=False,
-        ),
+    trainer = cpu_trainer(
+        strategy,
         max_epochs=2,  # reached: restores only
         num_sanity_val_steps=0,  # eval forwards advance the fused step counter too
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=run,
     )
     trainer.fit(model, datamodule=data, ckpt_path=run / CKPT)

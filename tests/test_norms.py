@@ -12,8 +12,6 @@ from torch.utils._pytree import tree_leaves
 from torchrec import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
-    EmbeddingCollection,
-    EmbeddingConfig,
 )
 from torchrec.distributed.composable.table_batched_embedding_slice import (
     TableBatchedEmbeddingSlice,
@@ -27,7 +25,6 @@ from lightning_torchrec.norms import (
     max_norm,
     weights_to_log,
 )
-from lightning_torchrec.planning import maybe_shard_model
 from lightning_torchrec.tables import embedding_tables
 
 
@@ -143,23 +140,6 @@ def test_half_precision_is_accumulated_in_float32() -> None:
         model.weight.fill_(1.0)
     logged = weights_to_log(model, {"weight": l2_norm})
     torch.testing.assert_close(logged["model/l2_norm/weight"], torch.tensor(math.sqrt(1e5)))
-
-
-# ---------------------------------------------------------------- embedding tables
-
-
-def test_embedding_table_names_find_ebc_and_ec_tables_by_state_dict_key() -> None:
-    ec_table = EmbeddingConfig(name="e", embedding_dim=4, num_embeddings=5, feature_names=["c"])
-    model = nn.ModuleDict({"net": Net(), "ec": EmbeddingCollection(tables=[ec_table])})
-    names = list(embedding_tables(model))
-    assert names == [
-        "net.ebc.embedding_bags.t0.weight",
-        "net.ebc.embedding_bags.t1.weight",
-        "ec.embeddings.e.weight",
-    ]
-    assert set(names) <= set(model.state_dict())
-    tables = embedding_tables(model)
-    assert tables["ec.embeddings.e.weight"] is model["ec"].embeddings["e"].weight
 
 
 # ---------------------------------------------------------------- log_ebc_norms
@@ -302,8 +282,3 @@ def test_log_sharded_tensor_content_single_process() -> None:
     assert gathered is not None and torch.equal(gathered, table)
     with pytest.raises(ValueError, match=r"5 rows x 3 columns.*max_rows=4"):
         log_sharded_tensor_content("w", "t", table, max_rows=4)
-
-
-def test_maybe_shard_model_without_distributed_returns_the_model() -> None:
-    model = Net()
-    assert maybe_shard_model(model, torch.device("cpu")) is model

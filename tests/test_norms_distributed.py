@@ -11,21 +11,16 @@ from __future__ import annotations
 
 import socket
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
-from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
 from torch.distributed._shard.sharded_tensor import Shard, ShardMetadata, init_from_local_shards
 from torch.distributed.tensor import Replicate, distribute_tensor, init_device_mesh
 from torch.distributed.tensor import Shard as DShard
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
-from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.planner.types import ParameterConstraints
 
 from lightning_torchrec.ebc_norms import log_ebc_norms
 from lightning_torchrec.layout import log_sharded_tensor_content, shard_info
@@ -37,6 +32,8 @@ from lightning_torchrec.norms import (
 )
 from lightning_torchrec.planning import maybe_shard_model
 from lightning_torchrec.tables import embedding_tables
+from tests.helpers import one_rank_group  # noqa: F401 - a fixture
+from tests.scripts.factory import table_wise
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # spawned ranks import the worker
 import norms_worker  # noqa: E402
@@ -47,17 +44,6 @@ KEYS = {t: table_key(t) for t in TABLES}
 
 
 # ---------------------------------------------------------------- one-rank process group
-
-
-@pytest.fixture
-def one_rank_group(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 class FakeShardedEBC(nn.Module):
@@ -82,7 +68,8 @@ def _two_column_shards(full: torch.Tensor) -> torch.Tensor:
     return init_from_local_shards(shards, rows, cols)
 
 
-def test_sharded_tensor_with_two_local_shards(one_rank_group: None) -> None:
+@pytest.mark.usefixtures("one_rank_group")
+def test_sharded_tensor_with_two_local_shards() -> None:
     full = torch.randn(6, 8)
     sharded = _two_column_shards(full)
     info = shard_info(sharded)
@@ -113,7 +100,8 @@ def test_sharded_tensor_with_two_local_shards(one_rank_group: None) -> None:
     )
 
 
-def test_dtensor_shard_and_replicate(one_rank_group: None) -> None:
+@pytest.mark.usefixtures("one_rank_group")
+def test_dtensor_shard_and_replicate() -> None:
     mesh = init_device_mesh("cpu", (1,))
     full = torch.randn(4, 3)
     sharded = distribute_tensor(full, mesh, [DShard(1)])
@@ -125,8 +113,9 @@ def test_dtensor_shard_and_replicate(one_rank_group: None) -> None:
     assert gathered is not None and torch.equal(gathered, full)
 
 
-def test_maybe_shard_model_plans_and_wraps_with_fused_params(
-    one_rank_group: None, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.usefixtures("one_rank_group")
+def test_norms_of_a_sharded_model_do_not_build_its_state_dict(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     ebc = EmbeddingBagCollection(
         tables=[
@@ -134,15 +123,7 @@ def test_maybe_shard_model_plans_and_wraps_with_fused_params(
         ],
         device=torch.device("meta"),
     )
-    fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.25}
-    with pytest.raises(ValueError, match="fused_params. to your sharders"):
-        maybe_shard_model(ebc, torch.device("cpu"), sharders=[], fused_params=fused)
-    table_wise = {"t": ParameterConstraints(sharding_types=["table_wise"])}
-    dmp = maybe_shard_model(ebc, torch.device("cpu"), fused_params=fused, constraints=table_wise)
-    assert isinstance(dmp, DistributedModelParallel)
-    assert dmp.plan.plan[""]["t"].sharding_type == "table_wise"  # type: ignore[union-attr]
-    assert dmp.fused_optimizer.param_groups[0]["lr"] == 0.25
-    assert list(embedding_tables(dmp)) == ["embedding_bags.t.weight"]
+    dmp = maybe_shard_model(ebc, torch.device("cpu"), constraints=table_wise(["t"]))
     expected = dmp.state_dict()["embedding_bags.t.weight"].local_shards()[0].tensor.norm()
 
     def no_state_dict(*args: object, **kwargs: object) -> None:

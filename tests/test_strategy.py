@@ -8,58 +8,29 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
-from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from lightning_torchrec import (
     DenseAndFusedOptimizer,
-    DLRMClickModule,
-    SyntheticClickData,
     TorchRecStrategy,
     dense_parameters,
 )
+from tests.scripts.factory import (
+    ROWS,
+    cpu_trainer,
+    sharding_constraints,
+    table_wise,
+    tiny_data,
+    tiny_dlrm,
+)
 from tests.scripts.rank_state import kernel_lrs
 
-ROWS = 200
-TABLE_WISE = {f"t_cat_{i}": ParameterConstraints(sharding_types=["table_wise"]) for i in range(2)}
-
-
-def data() -> SyntheticClickData:
-    return SyntheticClickData(
-        num_embeddings=ROWS,
-        num_sparse_features=2,
-        batch_size=32,
-        train_batches=8,
-        val_batches=2,
-        test_batches=2,
-    )
-
-
-def dlrm(**kwargs: Any) -> DLRMClickModule:
-    return DLRMClickModule(
-        [ROWS, ROWS],
-        embedding_dim=4,
-        dense_arch_layer_sizes=[4],
-        over_arch_layer_sizes=[4, 1],
-        **kwargs,
-    )
+ITEM_USER = ["item_table", "user_table"]
 
 
 def trainer(strategy: Any = None, **kwargs: Any) -> L.Trainer:
-    defaults: dict[str, Any] = dict(
-        accelerator="cpu",
-        devices=1,
-        max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
-    defaults.update(kwargs)
-    return L.Trainer(strategy=strategy or TorchRecStrategy(constraints=TABLE_WISE), **defaults)
+    return cpu_trainer(strategy, **({"max_steps": 3, "limit_val_batches": 0} | kwargs))
 
 
 def tbe_learning_rates(module: L.LightningModule) -> list[float]:
@@ -69,65 +40,56 @@ def tbe_learning_rates(module: L.LightningModule) -> list[float]:
 
 
 def test_strategy_by_name_trains() -> None:
-    model = dlrm()
+    model = tiny_dlrm()
     t = trainer(strategy="torchrec")
     assert isinstance(t.strategy, TorchRecStrategy)
-    t.fit(model, datamodule=data())
+    t.fit(model, datamodule=tiny_data())
     assert t.global_step == 3
     assert isinstance(t.optimizers[0], DenseAndFusedOptimizer)
 
 
 def test_row_wise_on_cpu_is_refused_naming_the_table() -> None:
-    strategy = TorchRecStrategy(
-        constraints={"t_cat_1": ParameterConstraints(sharding_types=["row_wise"])}
-    )
+    strategy = TorchRecStrategy(constraints=sharding_constraints({"t_cat_1": "row_wise"}))
     with pytest.raises(ValueError, match=r"'t_cat_1'.*needs CUDA.*table_wise"):
-        trainer(strategy).fit(dlrm(), datamodule=data())
+        trainer(strategy).fit(tiny_dlrm(), datamodule=tiny_data())
 
 
-def test_explicit_row_wise_plan_and_plan_for_other_world_are_refused() -> None:
-    from torchrec.distributed.planner import EmbeddingShardingPlanner
+def test_explicit_row_wise_plan_is_refused() -> None:
     from torchrec.distributed.planner.types import Topology
 
-    from lightning_torchrec.planning import default_sharders
-    from lightning_torchrec.setup_checks import check_plan
+    from lightning_torchrec.planning import default_sharders, make_planner
 
-    plan = EmbeddingShardingPlanner(
-        topology=Topology(world_size=2, compute_device="cuda", local_world_size=2),
-        constraints={"t_cat_0": ParameterConstraints(sharding_types=["row_wise"])},
-    ).plan(dlrm(), default_sharders(None))
-    with pytest.raises(ValueError, match=r"'t_cat_0'.*row_wise, which needs CUDA"):
-        check_plan(plan, world_size=2, compute_device="cpu")
-    with pytest.raises(ValueError, match=r"on ranks \[1\].*world has 1 ranks"):
-        check_plan(plan, world_size=1, compute_device="cuda")
+    model, row_wise = tiny_dlrm(), sharding_constraints({"t_cat_0": "row_wise"})
+    topology = Topology(world_size=2, compute_device="cuda", local_world_size=2)
+    plan = make_planner(model, topology, row_wise).plan(model, default_sharders(None))
     with pytest.raises(ValueError, match="needs CUDA"):
-        trainer(TorchRecStrategy(plan=plan)).fit(dlrm(), datamodule=data())
+        trainer(TorchRecStrategy(plan=plan)).fit(tiny_dlrm(), datamodule=tiny_data())
 
 
 @pytest.mark.parametrize("precision", ["bf16-true", "16-true", "64-true"])
 def test_whole_model_precisions_are_refused(precision: str) -> None:
     with pytest.raises(ValueError, match="bf16-mixed"):
-        trainer(precision=precision).fit(dlrm(), datamodule=data())
+        trainer(precision=precision).fit(tiny_dlrm(), datamodule=tiny_data())
 
 
 def test_fp16_grad_scaler_with_fused_tables_is_refused() -> None:
     scaler = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
     with pytest.raises(ValueError, match="scaled"):
-        trainer(plugins=[scaler]).fit(dlrm(), datamodule=data())
+        trainer(plugins=[scaler]).fit(tiny_dlrm(), datamodule=tiny_data())
 
 
 def test_bf16_mixed_trains() -> None:
     t = trainer(precision="bf16-mixed")
-    t.fit(dlrm(), datamodule=data())
+    t.fit(tiny_dlrm(), datamodule=tiny_data())
     assert t.global_step == 3
 
 
 def test_gradient_accumulation_with_fused_tables_needs_opt_in() -> None:
     with pytest.raises(ValueError, match="allow_fused_gradient_accumulation=True"):
-        trainer(accumulate_grad_batches=2).fit(dlrm(), datamodule=data())
-    strategy = TorchRecStrategy(constraints=TABLE_WISE, allow_fused_gradient_accumulation=True)
+        trainer(accumulate_grad_batches=2).fit(tiny_dlrm(), datamodule=tiny_data())
+    strategy = TorchRecStrategy(constraints=table_wise(2), allow_fused_gradient_accumulation=True)
     t = trainer(strategy, accumulate_grad_batches=2, max_steps=2)
-    t.fit(dlrm(), datamodule=data())
+    t.fit(tiny_dlrm(), datamodule=tiny_data())
     assert t.global_step == 2
 
 
@@ -178,17 +140,10 @@ class PlainEBCModule(L.LightningModule):
 
 def test_any_lightning_module_with_ebc_trains_and_gets_a_combined_optimizer() -> None:
     model = PlainEBCModule()
-    t = trainer(
-        strategy=TorchRecStrategy(
-            constraints={
-                "item_table": ParameterConstraints(sharding_types=["table_wise"]),
-                "user_table": ParameterConstraints(sharding_types=["table_wise"]),
-            }
-        )
-    )
+    t = trainer(strategy=TorchRecStrategy(constraints=table_wise(ITEM_USER)))
     head_before = model.head.weight.detach().clone()
     with pytest.warns(UserWarning, match="drives the dense optimizer only"):
-        t.fit(model, datamodule=data())
+        t.fit(model, datamodule=tiny_data())
     assert [kernel for _, kernel in model.seen_lrs] == [pytest.approx([0.01])] * 3
     opt = t.optimizers[0]
     assert isinstance(opt, DenseAndFusedOptimizer) and opt.fused is not None
@@ -198,22 +153,15 @@ def test_any_lightning_module_with_ebc_trains_and_gets_a_combined_optimizer() ->
 
 
 def test_dense_optimizer_holding_tables_is_refused_naming_them() -> None:
-    strategy = TorchRecStrategy(
-        constraints={
-            "item_table": ParameterConstraints(sharding_types=["table_wise"]),
-            "user_table": ParameterConstraints(sharding_types=["table_wise"]),
-        }
-    )
+    strategy = TorchRecStrategy(constraints=table_wise(ITEM_USER))
     with pytest.raises(ValueError, match=r"ebc\.embedding_bags\.item_table\.weight.*dense_param"):
-        trainer(strategy).fit(PlainEBCModule(dense_only=False), datamodule=data())
+        trainer(strategy).fit(PlainEBCModule(dense_only=False), datamodule=tiny_data())
 
 
 def test_constraints_for_unknown_tables_are_refused_with_close_names() -> None:
-    strategy = TorchRecStrategy(
-        constraints={"item_tabel": ParameterConstraints(sharding_types=["table_wise"])}
-    )
+    strategy = TorchRecStrategy(constraints=table_wise(["item_tabel"]))
     with pytest.raises(ValueError, match=r"\['item_tabel'\].*'item_table'"):
-        trainer(strategy).fit(PlainEBCModule(), datamodule=data())
+        trainer(strategy).fit(PlainEBCModule(), datamodule=tiny_data())
 
 
 def test_scheduled_fused_lr_reaches_the_kernel_before_each_forward() -> None:
@@ -229,14 +177,11 @@ def test_scheduled_fused_lr_reaches_the_kernel_before_each_forward() -> None:
     t = trainer(
         strategy=TorchRecStrategy(
             fused_params={"learning_rate": 0.4, "optimizer": _rowwise_adagrad()},
-            constraints={
-                "item_table": ParameterConstraints(sharding_types=["table_wise"]),
-                "user_table": ParameterConstraints(sharding_types=["table_wise"]),
-            },
+            constraints=table_wise(ITEM_USER),
         ),
         max_steps=4,
     )
-    t.fit(model, datamodule=data())
+    t.fit(model, datamodule=tiny_data())
     expected = [0.4, 0.2, 0.1, 0.05]
     assert [group_lr for group_lr, _ in model.seen_lrs] == pytest.approx(expected)
     # What the kernel uses in this step's backward equals the scheduled LR of this step.
@@ -250,7 +195,7 @@ def _rowwise_adagrad() -> Any:
 
 
 def test_validate_and_predict_without_fit_shard_the_model() -> None:
-    model, dm = dlrm(), data()
+    model, dm = tiny_dlrm(), tiny_data()
     t = trainer(limit_val_batches=2)
     metrics = t.validate(model, datamodule=dm, verbose=False)[0]
     assert 0.0 <= metrics["val/auroc"] <= 1.0
@@ -274,13 +219,13 @@ def test_tables_built_off_meta_keep_their_values_in_the_shards() -> None:
     full = {k: t.detach().clone() for k, t in embedding_tables(model).items()}
     strategy = TorchRecStrategy(
         constraints={
-            "item_table": ParameterConstraints(sharding_types=["column_wise"], min_partition=2),
-            "user_table": ParameterConstraints(sharding_types=["table_wise"]),
+            **sharding_constraints({"item_table": "column_wise"}, min_partition=2),
+            **table_wise(["user_table"]),
         }
     )
     t = trainer(strategy, max_steps=1)
     with pytest.warns(UserWarning, match="built whole on every rank"):
-        t.predict(model, datamodule=data())  # shards without training
+        t.predict(model, datamodule=tiny_data())  # shards without training
     for key, table in embedding_tables(model).items():
         info = shard_info(table)
         for s in info.shards:
@@ -319,9 +264,7 @@ def test_data_parallel_tables_train_exactly_like_torch() -> None:
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(dense_parameters(self), lr=1.0)
 
-    dataset = SyntheticClickData(
-        num_embeddings=ROWS, num_sparse_features=1, batch_size=32, train_batches=8
-    ).dataset("train")
+    dataset = tiny_data(num_tables=1).dataset("train")
     model = DP()
     reference = copy.deepcopy(model)
     opt = torch.optim.SGD(reference.parameters(), lr=1.0)
@@ -331,9 +274,7 @@ def test_data_parallel_tables_train_exactly_like_torch() -> None:
         opt.step()
 
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, shuffle=False)
-    strategy = TorchRecStrategy(
-        constraints={"dp": ParameterConstraints(sharding_types=["data_parallel"])}
-    )
+    strategy = TorchRecStrategy(constraints=sharding_constraints({"dp": "data_parallel"}))
     trainer(strategy, max_steps=2, use_distributed_sampler=False).fit(model, loader)
     (table,) = embedding_tables(model).values()
     expected = reference.ebc.embedding_bags["dp"].weight

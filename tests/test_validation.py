@@ -8,25 +8,19 @@ import lightning as L
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
-from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_torchrec import Batch, DLRMClickModule, TorchRecStrategy
 from lightning_torchrec.batch_checks import validate_batch
 from lightning_torchrec.errors import BatchValidationError
 from lightning_torchrec.tables import dense_width, feature_specs
+from tests.scripts.factory import cpu_trainer, table_wise, tiny_dlrm
 
 ROWS = [10, 20]
 
 
 def model() -> DLRMClickModule:
-    return DLRMClickModule(
-        ROWS,
-        num_dense_features=3,
-        embedding_dim=4,
-        dense_arch_layer_sizes=[4],
-        over_arch_layer_sizes=[4, 1],
-    )
+    return tiny_dlrm(ROWS, num_dense_features=3)
 
 
 SPECS = feature_specs(model())
@@ -105,20 +99,10 @@ class _Batches(Dataset):
 
 
 def _fit(validate: Any, bad_at: int) -> L.Trainer:
-    table_wise = {f"t_cat_{i}": ParameterConstraints(sharding_types=["table_wise"]) for i in (0, 1)}
-    t = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=6,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        strategy=TorchRecStrategy(
-            constraints=table_wise, log_plan=False, validate_batches=validate
-        ),
+    strategy = TorchRecStrategy(
+        constraints=table_wise(2), log_plan=False, validate_batches=validate
     )
+    t = cpu_trainer(strategy, max_steps=6, use_distributed_sampler=False)
     t.fit(model(), DataLoader(_Batches(bad_at), batch_size=None))
     return t
 

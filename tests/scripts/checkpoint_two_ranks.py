@@ -20,11 +20,13 @@ from typing import Any
 
 import lightning as L
 import torch
+
+# sibling module (script directory)
+from factory import WIDE, adam, cpu_trainer, table_wise, tiny_data, tiny_dlrm
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from rank_state import kernel_lrs, local_view  # sibling module (script directory)
-from torchrec.distributed.planner.types import ParameterConstraints
 
-from lightning_torchrec import DLRMClickModule, SyntheticClickData, TorchRecStrategy
+from lightning_torchrec import DLRMClickModule, TorchRecStrategy
 from lightning_torchrec.checkpoint import load_sharded
 from lightning_torchrec.consolidate import consolidate, load_plain_weights
 from lightning_torchrec.errors import CheckpointMismatchError
@@ -84,39 +86,18 @@ class Recorder(Callback):
 
 def make(tag: str, max_epochs: int, ckpt: ModelCheckpoint | None = None, **strategy: Any):
     L.seed_everything(11)
-    data = SyntheticClickData(
-        num_embeddings=40,
-        num_sparse_features=TABLES,
-        ids_per_feature=2,
-        batch_size=64,
-        train_batches=20,
-        seed=5,
-    )
-    model = DLRMClickModule(
-        data.num_embeddings_per_feature,
-        embedding_dim=8,
-        dense_arch_layer_sizes=[16, 8],
-        over_arch_layer_sizes=[16, 1],
-        optimizer=lambda p: torch.optim.Adam(p, lr=1e-2),
-        lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=STOP, gamma=0.5),
-    )
+    data = tiny_data(40, TABLES, ids_per_feature=2, batch_size=64, train_batches=20, seed=5)
+    model = tiny_dlrm(data.num_embeddings_per_feature, **WIDE, **adam(1e-2, halve_every=STOP))
     if "plan" not in strategy:
-        strategy["constraints"] = {
-            f"t_cat_{i}": ParameterConstraints(sharding_types=["table_wise"]) for i in range(TABLES)
-        }
+        strategy["constraints"] = table_wise(TABLES)
     recorder = Recorder(tag)
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
+        TorchRecStrategy(fused_params={"learning_rate": 0.1}, log_plan=False, **strategy),
         devices=2,
-        strategy=TorchRecStrategy(fused_params={"learning_rate": 0.1}, log_plan=False, **strategy),
         max_epochs=max_epochs,
         limit_val_batches=0,
-        num_sanity_val_steps=0,
         callbacks=[recorder] + ([ckpt] if ckpt else []),
         enable_checkpointing=ckpt is not None,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        logger=False,
         default_root_dir=OUT,
     )
     return data, model, trainer

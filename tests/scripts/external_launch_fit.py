@@ -6,38 +6,20 @@ import os
 import sys
 from pathlib import Path
 
-import lightning as L
 import torch
-from torchrec.distributed.planner.types import ParameterConstraints
 
-from lightning_torchrec import DLRMClickModule, SyntheticClickData, TorchRecStrategy
+# sibling module (script directory)
+from factory import cpu_trainer, table_wise, tiny_data, tiny_dlrm
+
+from lightning_torchrec import TorchRecStrategy
 
 
 def main() -> None:
     out = Path(sys.argv[1])
-    data = SyntheticClickData(
-        num_embeddings=50, num_sparse_features=2, batch_size=16, train_batches=20, val_batches=2
-    )
-    model = DLRMClickModule(
-        data.num_embeddings_per_feature,
-        embedding_dim=4,
-        dense_arch_layer_sizes=[4],
-        over_arch_layer_sizes=[4, 1],
-    )
-    strategy = TorchRecStrategy(
-        constraints={
-            f"t_cat_{i}": ParameterConstraints(sharding_types=["table_wise"]) for i in range(2)
-        }
-    )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=4,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        limit_val_batches=0,
+    data = tiny_data(50, batch_size=16, train_batches=20)
+    model = tiny_dlrm(data.num_embeddings_per_feature)
+    trainer = cpu_trainer(
+        TorchRecStrategy(constraints=table_wise(2)), devices=2, max_steps=4, limit_val_batches=0
     )
     trainer.fit(model, datamodule=data)
     torch.save(

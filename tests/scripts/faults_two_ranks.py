@@ -23,10 +23,12 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from torchrec.distributed.planner.types import ParameterConstraints
 
-from lightning_torchrec import DLRMClickModule, SyntheticClickData, TorchRecStrategy
+# sibling module (script directory)
+from factory import cpu_trainer, table_wise, tiny_data, tiny_dlrm
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from lightning_torchrec import DLRMClickModule, TorchRecStrategy
 from lightning_torchrec.callbacks.preemption import PreemptionCheckpoint
 
 OUT, MODE = Path(sys.argv[1]), sys.argv[2]
@@ -36,14 +38,8 @@ ROWS = 20
 class Faulty(DLRMClickModule):
     """Breaks things on one rank at one step."""
 
-    def __init__(self, fault: str = "", at: int = -1, **kw: Any) -> None:
-        super().__init__(
-            [ROWS] * 2,
-            embedding_dim=4,
-            dense_arch_layer_sizes=[4],
-            over_arch_layer_sizes=[4, 1],
-            **kw,
-        )
+    def __init__(self, *args: Any, fault: str = "", at: int = -1, **kw: Any) -> None:
+        super().__init__(*args, **kw)
         self.fault, self.at = fault, at
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -93,36 +89,22 @@ def run(
     extra: list[Callback] | None = None,
     **strategy_kw: Any,
 ) -> dict[str, Any]:
-    data = SyntheticClickData(
-        num_embeddings=ROWS,
-        num_sparse_features=2,
-        batch_size=16,
-        train_batches=40,
-        val_batches=2,
-        seed=1,
-    )
-    model = Faulty(fault=fault, at=at)
+    data = tiny_data(ROWS, batch_size=16, train_batches=40, seed=1)
+    model = tiny_dlrm(ROWS, cls=Faulty, fault=fault, at=at)
     steps = Steps()
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
+        TorchRecStrategy(
+            log_plan=False,
+            timeout=timedelta(seconds=20),
+            constraints=table_wise(2),
+            **strategy_kw,
+        ),
         devices=2,
         max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
         limit_val_batches=0,
         default_root_dir=OUT,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in extra or []),
         callbacks=[RankOneFault(fault, at), steps, *(extra or [])],
-        strategy=TorchRecStrategy(
-            log_plan=False,
-            timeout=timedelta(seconds=20),
-            constraints={
-                f"t_cat_{i}": ParameterConstraints(sharding_types=["table_wise"]) for i in range(2)
-            },
-            **strategy_kw,
-        ),
     )
     result: dict[str, Any] = {"error": None, "message": ""}
     try:

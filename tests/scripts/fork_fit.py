@@ -5,31 +5,25 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import lightning as L
 import torch
 
-from lightning_torchrec import DLRMClickModule, SyntheticClickData, WeightNormCallback
+# sibling module (script directory)
+from factory import cpu_trainer, tiny_data, tiny_dlrm
+
+from lightning_torchrec import WeightNormCallback
 
 
 def main() -> None:
     out = Path(sys.argv[1])
-    data = SyntheticClickData(
-        num_embeddings=50, num_sparse_features=2, batch_size=16, train_batches=20, val_batches=2
-    )
-    model = DLRMClickModule(
-        data.num_embeddings_per_feature,
-        embedding_dim=4,
-        dense_arch_layer_sizes=[4],
-        over_arch_layer_sizes=[4, 1],
-    )
-    trainer = L.Trainer(
-        accelerator="cpu",
+    data = tiny_data(50, batch_size=16, train_batches=20)
+    model = tiny_dlrm(data.num_embeddings_per_feature)
+    trainer = cpu_trainer(
+        "torchrec_notebook",
         devices=2,
-        strategy="torchrec_notebook",
         max_steps=4,
         val_check_interval=4,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
+        logger=True,  # Lightning's default loggers: the norm callbacks need one
+        num_sanity_val_steps=2,  # Lightning's default: the forked ranks run the sanity check too
         default_root_dir=out,
         callbacks=[WeightNormCallback(), WeightNormCallback(every_n_steps=2)],
     )

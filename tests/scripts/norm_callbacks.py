@@ -12,13 +12,13 @@ from pathlib import Path
 
 import lightning as L
 import torch
+
+# sibling module (script directory)
+from factory import cpu_trainer, sharding_constraints, tiny_data, tiny_dlrm
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-from torchrec.distributed.planner.types import ParameterConstraints
 
 from lightning_torchrec import (
-    DLRMClickModule,
     EmbeddingNormCallback,
-    SyntheticClickData,
     TorchRecStrategy,
     WeightNormCallback,
     log_sharded_tensor_content,
@@ -36,34 +36,15 @@ TYPES = {
 
 def main() -> None:
     L.seed_everything(1)
-    data = SyntheticClickData(
-        num_embeddings=64,
-        num_sparse_features=4,
-        ids_per_feature=2,
-        batch_size=32,
-        train_batches=40,
-        val_batches=2,
-    )
-    model = DLRMClickModule(
-        data.num_embeddings_per_feature,
-        embedding_dim=8,
-        dense_arch_layer_sizes=[8],
-        over_arch_layer_sizes=[8, 1],
-    )
-    strategy = TorchRecStrategy(
-        constraints={
-            t: ParameterConstraints(sharding_types=[s], min_partition=4) for t, s in TYPES.items()
-        }
-    )
-    trainer = L.Trainer(
-        accelerator="cpu",
+    data = tiny_data(64, 4, ids_per_feature=2, batch_size=32, train_batches=40)
+    model = tiny_dlrm(data.num_embeddings_per_feature, embedding_dim=8, over_sizes=[8, 1])
+    strategy = TorchRecStrategy(constraints=sharding_constraints(TYPES, min_partition=4))
+    trainer = cpu_trainer(
+        strategy,
         devices=2,
-        strategy=strategy,
         max_steps=10,
         log_every_n_steps=5,
         limit_val_batches=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
         logger=[TensorBoardLogger(OUT, name="tb"), CSVLogger(OUT, name="csv")],
         callbacks=[WeightNormCallback(), EmbeddingNormCallback(sample_size=1_000_000)],
     )

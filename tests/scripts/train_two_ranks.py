@@ -18,11 +18,13 @@ from typing import Any
 
 import lightning as L
 import torch
+
+# sibling module (script directory)
+from factory import WIDE, adam, cpu_trainer, table_wise, tiny_data, tiny_dlrm
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from rank_state import local_view  # sibling module (script directory)
-from torchrec.distributed.planner.types import ParameterConstraints
 
-from lightning_torchrec import DLRMClickModule, SyntheticClickData, TorchRecStrategy
+from lightning_torchrec import TorchRecStrategy
 from lightning_torchrec.optim import DenseAndFusedOptimizer
 
 STEPS = 120
@@ -67,41 +69,21 @@ class Recorder(Callback):
 
 
 def make(tag: str, max_steps: int, ckpt: ModelCheckpoint | None = None):
-    data = SyntheticClickData(
-        num_embeddings=50,
-        num_sparse_features=4,
-        ids_per_feature=2,
-        batch_size=256,
-        train_batches=400,
-        val_batches=8,
-        seed=3,
+    data = tiny_data(
+        50, 4, ids_per_feature=2, batch_size=256, train_batches=400, val_batches=8, seed=3
     )
-    model = DLRMClickModule(
-        data.num_embeddings_per_feature,
-        embedding_dim=8,
-        dense_arch_layer_sizes=[16, 8],
-        over_arch_layer_sizes=[16, 1],
-        optimizer=lambda p: torch.optim.Adam(p, lr=1e-2),
-        lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=40, gamma=0.5),
-    )
+    model = tiny_dlrm(data.num_embeddings_per_feature, **WIDE, **adam(1e-2, halve_every=40))
     recorder = Recorder(tag)
-    trainer = L.Trainer(
-        accelerator="cpu",
+    strategy = TorchRecStrategy(
+        fused_params={"optimizer": _adagrad(), "learning_rate": 0.2}, constraints=table_wise(4)
+    )
+    trainer = cpu_trainer(
+        strategy,
         devices=2,
-        strategy=TorchRecStrategy(
-            fused_params={"optimizer": _adagrad(), "learning_rate": 0.2},
-            constraints={
-                f"t_cat_{i}": ParameterConstraints(sharding_types=["table_wise"]) for i in range(4)
-            },
-        ),
         max_steps=max_steps,
         val_check_interval=CKPT_EVERY,
-        num_sanity_val_steps=0,
         callbacks=[recorder] + ([ckpt] if ckpt else []),
         enable_checkpointing=ckpt is not None,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        logger=False,
         default_root_dir=OUT,
     )
     return data, model, trainer, recorder

@@ -1,0 +1,231 @@
+"""Unit tests of lightning_torchrec.distributed: ranks, the collective device, agree().
+
+Without a process group every function decides locally. The multi-rank paths run in one process
+as rank 0 (or 1) of a fake two-rank world: torch.distributed's functions are replaced by ones that
+add what the other rank says.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_torchrec.distributed import (
+    agree,
+    barrier,
+    broadcast_from_rank0,
+    collective_device,
+    is_distributed,
+    rank_and_world_size,
+    ranks_where,
+)
+from lightning_torchrec.errors import RankFailureError
+from tests.helpers import one_rank_group  # noqa: F401 - a fixture
+
+# ---------------------------------------------------------------- no process group
+
+
+def test_without_a_process_group_everything_is_local() -> None:
+    assert not dist.is_initialized()
+    assert not is_distributed()
+    assert rank_and_world_size() == (0, 1)
+    assert collective_device() == torch.device("cpu")
+    assert ranks_where(True) == [0]
+    assert ranks_where(False) == []
+    barrier()  # a no-op
+
+
+def test_agree_without_a_process_group_raises_the_first_error() -> None:
+    agree()
+    agree(None, None)  # nobody failed: returns
+    first, second = ValueError("bad batch"), KeyError("missing")
+    with pytest.raises(ValueError, match="bad batch") as raised:
+        agree(None, first, second)
+    assert raised.value is first  # the error itself, not a copy
+    with pytest.raises(KeyError, match="missing"):
+        agree(None, None, second)
+
+
+def test_broadcast_from_rank0_without_a_process_group_runs_fn_here() -> None:
+    calls: list[int] = []
+
+    def fn() -> dict[str, int]:
+        calls.append(1)
+        return {"plan": 7}
+
+    assert broadcast_from_rank0(fn) == {"plan": 7}
+    assert calls == [1]
+
+    def fails() -> None:
+        raise RuntimeError("planner exploded")
+
+    with pytest.raises(RuntimeError, match="planner exploded"):
+        broadcast_from_rank0(fails)
+
+
+# ---------------------------------------------------------------- one-rank gloo group
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_a_one_rank_group_is_not_distributed_and_decides_locally() -> None:
+    assert dist.is_initialized() and not is_distributed()
+    assert rank_and_world_size() == (0, 1)
+    assert collective_device() == torch.device("cpu")  # gloo
+    assert ranks_where(True) == [0]
+    barrier()
+    agree(None)
+    with pytest.raises(ValueError, match="only rank"):
+        agree(ValueError("only rank"))
+
+
+# ---------------------------------------------------------------- a fake two-rank world
+
+
+class FakeWorld:
+    """This process as ``rank`` of a two-rank world; ``peer`` says what the other rank passes.
+
+    ``peer_votes``: the other rank's flag per slot; ``peer_report``: the ``(type, message)`` it
+    gathers (None: it did not fail in the agreed slot); ``from_rank0``: what rank 0 broadcasts.
+    """
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, rank: int = 0) -> None:
+        self.rank, self.peer = rank, 1 - rank
+        self.peer_votes: list[bool] = []
+        self.peer_report: tuple[type[BaseException], str] | None = None
+        self.from_rank0: Any = None
+        self.all_reduces = self.gathers = 0
+        monkeypatch.setattr(dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+        monkeypatch.setattr(dist, "get_rank", lambda group=None: self.rank)
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+        monkeypatch.setattr(dist, "all_reduce", self.all_reduce)
+        monkeypatch.setattr(dist, "all_gather_object", self.all_gather_object)
+        monkeypatch.setattr(dist, "broadcast_object_list", self.broadcast_object_list)
+
+    def all_reduce(self, votes: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        self.all_reduces += 1
+        assert votes.shape == (len(self.peer_votes), 2) and votes.dtype == torch.int32
+        votes[:, self.peer] += torch.tensor(self.peer_votes, dtype=torch.int32)
+
+    def all_gather_object(self, out: list, obj: Any, *args: Any, **kwargs: Any) -> None:
+        self.gathers += 1
+        out[self.rank], out[self.peer] = obj, self.peer_report
+
+    def broadcast_object_list(self, box: list, src: int = 0, **kwargs: Any) -> None:
+        assert src == 0
+        if self.rank != 0:
+            box[0] = self.from_rank0
+
+
+def test_rank_and_world_size_come_from_the_default_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    FakeWorld(monkeypatch, rank=1)
+    assert is_distributed()
+    assert rank_and_world_size() == (1, 2)
+
+
+def test_collective_device_is_the_current_cuda_device_under_nccl(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    FakeWorld(monkeypatch)
+    assert collective_device() == torch.device("cpu")  # gloo
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert collective_device() == torch.device("cuda", 3)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert collective_device() == torch.device("cpu")
+
+
+def test_ranks_where_lists_every_rank_that_voted_true(monkeypatch: pytest.MonkeyPatch) -> None:
+    world = FakeWorld(monkeypatch)
+    world.peer_votes = [True]
+    assert ranks_where(True) == [0, 1]
+    assert ranks_where(False) == [1]
+    world.peer_votes = [False]
+    assert ranks_where(True) == [0]
+    assert ranks_where(False) == []
+
+
+def test_agree_when_no_rank_failed_costs_one_all_reduce(monkeypatch: pytest.MonkeyPatch) -> None:
+    world = FakeWorld(monkeypatch)
+    world.peer_votes = [False, False]
+    agree(None, None)
+    assert (world.all_reduces, world.gathers) == (1, 0)
+
+
+def test_agree_raises_the_other_ranks_error_type_naming_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    world = FakeWorld(monkeypatch)
+    world.peer_votes, world.peer_report = [True], (ValueError, "id 27 out of range")
+    with pytest.raises(ValueError, match=r"^stopped because another rank failed: rank 1: id 27"):
+        agree(None)
+    assert world.gathers == 1
+
+
+def test_agree_with_several_failing_ranks_chains_this_ranks_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    world = FakeWorld(monkeypatch)
+    world.peer_votes, world.peer_report = [True], (ValueError, "theirs")
+    mine = ValueError("mine")
+    with pytest.raises(
+        ValueError, match=r"several ranks failed: rank 0: mine; rank 1: theirs"
+    ) as e:
+        agree(mine)
+    assert e.value is not mine and e.value.__cause__ is mine
+    world.peer_votes, world.peer_report = [False], None
+    with pytest.raises(ValueError, match="^mine$") as alone:
+        agree(mine)  # only this rank failed: its own error
+    assert alone.value is mine
+
+
+def test_agree_decides_the_first_slot_in_which_some_rank_failed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    world = FakeWorld(monkeypatch)
+    world.peer_votes, world.peer_report = [True, False], (KeyError, "peer's batch")
+    with pytest.raises(KeyError, match="another rank failed: rank 1: peer's batch"):
+        agree(None, ValueError("my loss"))  # slot 0 (the peer) wins over slot 1 (mine)
+    world.peer_votes, world.peer_report = [False, True], None
+    with pytest.raises(ValueError, match="my loss"):
+        agree(None, ValueError("my loss"))
+
+
+def test_agree_falls_back_to_rank_failure_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    class NeedsTwoArguments(Exception):
+        def __init__(self, code: int, text: str) -> None:
+            super().__init__(f"{code}: {text}")
+
+    world = FakeWorld(monkeypatch)
+    world.peer_votes, world.peer_report = [True], (NeedsTwoArguments, "7: broken")
+    with pytest.raises(RankFailureError, match="another rank failed: rank 1: 7: broken"):
+        agree(None)
+
+
+def test_broadcast_from_rank0_runs_fn_on_rank0_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+
+    def fn() -> str:
+        calls.append(1)
+        return "rank 0's plan"
+
+    world = FakeWorld(monkeypatch, rank=1)
+    world.peer_votes, world.from_rank0 = [False], "rank 0's plan"
+    assert broadcast_from_rank0(fn) == "rank 0's plan"
+    assert calls == []
+    world.rank, world.peer = 0, 1
+    assert broadcast_from_rank0(fn) == "rank 0's plan"
+    assert calls == [1]
+
+
+def test_broadcast_from_rank0_raises_rank0s_error_on_every_rank(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    world = FakeWorld(monkeypatch, rank=1)
+    world.peer_votes, world.peer_report = [True], (ValueError, "planning failed")
+    with pytest.raises(ValueError, match="another rank failed: rank 0: planning failed"):
+        broadcast_from_rank0(lambda: pytest.fail("fn runs on rank 0 only"))

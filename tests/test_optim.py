@@ -1,0 +1,179 @@
+"""Unit tests of lightning_torchrec.optim: dense vs fused parameters, the combined optimizer.
+
+Fused tables exist only once a model is sharded: those tests shard a small model on a one-rank
+gloo group (one fused table-wise table, one data-parallel table, a dense layer).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torchrec.optim.keyed import KeyedOptimizer
+
+from lightning_torchrec.compat import fused_kernels, kernel_learning_rate
+from lightning_torchrec.optim import (
+    DenseAndFusedOptimizer,
+    combine_optimizers,
+    combine_with_schedulers,
+    dense_named_parameters,
+    dense_parameters,
+    fused_optimizers,
+    init_optimizer_state,
+    is_fused_parameter,
+    keyed_optimizer,
+    optimizer_steps,
+    set_optimizer_steps,
+)
+from lightning_torchrec.planning import maybe_shard_model
+from tests.helpers import one_rank_group  # noqa: F401 - a fixture
+from tests.scripts.factory import sharding_constraints
+
+FUSED_KEY = "ebc.embedding_bags.tw.weight"
+DP_KEY = "ebc.embedding_bags.dp.weight"
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        tables = [
+            EmbeddingBagConfig(name=n, embedding_dim=4, num_embeddings=10, feature_names=[n])
+            for n in ("tw", "dp")
+        ]
+        self.ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+        self.dense = nn.Linear(3, 4)
+
+
+@pytest.fixture
+def sharded(one_rank_group: None) -> nn.Module:  # noqa: F811 - the fixture imported above
+    """The model sharded on one rank: ``tw`` fused (learning rate 0.25), ``dp`` data-parallel."""
+    return maybe_shard_model(
+        Model(),
+        torch.device("cpu"),
+        constraints=sharding_constraints({"tw": "table_wise", "dp": "data_parallel"}),
+        fused_params={"learning_rate": 0.25},
+    )
+
+
+def combined(module: nn.Module, lr: float = 0.1) -> DenseAndFusedOptimizer:
+    opt = combine_optimizers(torch.optim.SGD(dense_parameters(module), lr=lr), module)
+    assert isinstance(opt, DenseAndFusedOptimizer)
+    return opt
+
+
+# ---------------------------------------------------------------- which parameters are dense
+
+
+def test_plain_parameters_are_not_fused() -> None:
+    model = nn.Linear(3, 4)
+    assert not any(is_fused_parameter(p) for p in model.parameters())
+    assert dense_parameters(model) == list(model.parameters())
+    model.bias.requires_grad_(False)
+    assert [n for n, _ in dense_named_parameters(model)] == ["weight"]  # frozen: left out
+
+
+def test_dense_parameters_exclude_fused_tables_only(sharded: nn.Module) -> None:
+    params = dict(sharded.named_parameters())
+    assert is_fused_parameter(params[FUSED_KEY])
+    assert not is_fused_parameter(params[DP_KEY])  # data-parallel: the dense optimizer's
+    assert [n for n, _ in dense_named_parameters(sharded)] == [
+        DP_KEY,
+        "dense.weight",
+        "dense.bias",
+    ]
+    assert dense_parameters(sharded) == [
+        params[DP_KEY],
+        params["dense.weight"],
+        params["dense.bias"],
+    ]
+
+
+def test_fused_optimizers_are_found_by_module_path(sharded: nn.Module) -> None:
+    assert fused_optimizers(Model()) == []  # unsharded: nothing fused
+    ((path, opt),) = fused_optimizers(nn.ModuleDict({"model": sharded}))
+    assert path == "model" and isinstance(opt, KeyedOptimizer)
+    assert list(opt.params) == [FUSED_KEY]
+
+
+# ---------------------------------------------------------------- the combined optimizer
+
+
+def test_combine_optimizers_refuses_table_parameters_naming_them(sharded: nn.Module) -> None:
+    with pytest.raises(ValueError, match=rf"\['{FUSED_KEY}'\].*dense_parameters\(self\)"):
+        combine_optimizers(torch.optim.SGD(sharded.parameters(), lr=0.1), sharded)
+
+
+def test_param_groups_list_dense_then_fused(sharded: nn.Module) -> None:
+    opt = combined(sharded, lr=0.1)
+    assert [g["lr"] for g in opt.param_groups] == [0.1, 0.25]
+    assert opt.fused is not None and isinstance(opt.dense_optimizer, torch.optim.SGD)
+    assert combine_optimizers(opt, sharded) is opt  # already combined
+    assert set(opt.state_dict()["state"]) == {f"embedding.{FUSED_KEY}"}  # SGD keeps no state
+
+
+def test_push_fused_lr_reaches_the_kernel(sharded: nn.Module) -> None:
+    opt = combined(sharded)
+    (kernel,) = fused_kernels(opt)
+    assert kernel_learning_rate(kernel) == pytest.approx(0.25)
+    opt.param_groups[-1]["lr"] = 0.5  # what an LR scheduler does
+    assert kernel_learning_rate(kernel) == pytest.approx(0.25)  # not yet
+    opt.push_fused_lr()
+    assert kernel_learning_rate(kernel) == pytest.approx(0.5)
+
+
+def test_without_fused_tables_the_combined_optimizer_is_dense_only() -> None:
+    model = nn.Linear(3, 4)
+    opt = combined(model)
+    assert opt.fused is None and [g["lr"] for g in opt.param_groups] == [0.1]
+    opt.push_fused_lr()  # nothing to push
+    assert optimizer_steps(opt) == []
+
+
+def test_optimizer_steps_are_read_and_set_on_every_kernel(sharded: nn.Module) -> None:
+    opt = combined(sharded)
+    assert optimizer_steps(opt) == [0]
+    set_optimizer_steps(opt, 17)
+    assert optimizer_steps(opt) == [17]
+    assert optimizer_steps(opt.fused) == [17]  # type: ignore[arg-type]
+
+
+def test_a_scheduler_on_the_dense_optimizer_alone_is_warned_about(
+    sharded: nn.Module, recwarn: pytest.WarningsRecorder
+) -> None:
+    dense = torch.optim.SGD(dense_parameters(sharded), lr=0.1)
+    on_dense = torch.optim.lr_scheduler.StepLR(dense, 1)
+    with pytest.warns(UserWarning, match="drives the dense optimizer only"):
+        opt = combine_with_schedulers(dense, sharded, [on_dense])
+    assert isinstance(opt, DenseAndFusedOptimizer) and opt.fused is not None
+    recwarn.clear()
+    on_combined = torch.optim.lr_scheduler.StepLR(opt, 1)
+    assert combine_with_schedulers(opt, sharded, [on_combined]) is opt  # already combined
+    assert not [w for w in recwarn if "drives the dense optimizer" in str(w.message)]
+
+
+def test_init_optimizer_state_materialises_adam_state() -> None:
+    model = nn.Linear(3, 4)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = combine_optimizers(torch.optim.Adam(model.parameters(), lr=0.1), model)
+    assert isinstance(opt, DenseAndFusedOptimizer) and len(opt.dense.state) == 0
+    init_optimizer_state(opt)
+    assert set(opt.dense.state) == set(opt.dense.params.values())
+    for p in model.parameters():
+        assert {"step", "exp_avg", "exp_avg_sq"} <= set(opt.dense.state[p])
+        assert p.grad is None
+    for n, p in model.named_parameters():  # a step on zero gradients moves nothing
+        assert torch.equal(p, before[n]), n
+    assert set(opt.state_dict()["state"]) == {"dense.weight", "dense.bias"}
+
+
+def test_keyed_optimizer_unwraps_lightning_and_refuses_plain_torch() -> None:
+    model = nn.Linear(3, 4)
+    opt = combined(model)
+    assert keyed_optimizer(opt) is opt
+    assert keyed_optimizer(LightningOptimizer(opt)) is opt
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)
+    for wrapped in (plain, LightningOptimizer(plain)):
+        with pytest.raises(TypeError, match="got SGD.*combine_optimizers"):
+            keyed_optimizer(wrapped)

@@ -1,0 +1,212 @@
+"""Unit tests of lightning_torchrec.setup_checks: refusals name their culprit; good input passes."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import (
+    DoublePrecision,
+    HalfPrecision,
+    MixedPrecision,
+    Precision,
+)
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.planner.types import Topology
+from torchrec.distributed.types import (
+    EmbeddingModuleShardingPlan,
+    ParameterSharding,
+    ShardingPlan,
+)
+
+from lightning_torchrec.planning import make_planner, make_topology
+from lightning_torchrec.setup_checks import (
+    check_constraints_for_device,
+    check_constraints_match_model,
+    check_fused_optimizer_for_device,
+    check_fused_precision,
+    check_fused_training,
+    check_plan,
+    check_plan_matches_model,
+    check_precision,
+    check_sync_batchnorm,
+    explain_planner_error,
+    warn_materialized,
+)
+from lightning_torchrec.sharders import default_sharders
+from tests.scripts.factory import sharding_constraints, table_wise, tiny_dlrm
+
+EBC = "model_and_loss.model.sparse_arch.embedding_bag_collection"
+
+
+def plan_of(tables: dict[str, ParameterSharding], module: str = EBC) -> ShardingPlan:
+    return ShardingPlan({module: EmbeddingModuleShardingPlan(tables)})
+
+
+def sharding(kind: str = "table_wise", ranks: list[int] | None = None) -> ParameterSharding:
+    return ParameterSharding(sharding_type=kind, compute_kernel="fused", ranks=ranks or [0])
+
+
+# ---------------------------------------------------------------- constraints
+
+
+def test_cuda_only_constraints_on_cpu_are_refused_naming_the_table() -> None:
+    row_wise = sharding_constraints({"t_cat_0": "table_wise", "t_cat_1": "row_wise"})
+    with pytest.raises(ValueError, match=r"Table 't_cat_1'.*\['row_wise'\].*needs CUDA"):
+        check_constraints_for_device(row_wise, "cpu")
+    check_constraints_for_device(row_wise, "cuda")
+    check_constraints_for_device(None, "cpu")
+    check_constraints_for_device(table_wise(2), "cpu")
+    # A CPU-capable type among the choices leaves the planner a way out.
+    mixed = sharding_constraints({"t_cat_0": "row_wise"})
+    mixed["t_cat_0"].sharding_types = ["row_wise", "table_wise"]
+    check_constraints_for_device(mixed, "cpu")
+
+
+def test_constraints_for_unknown_tables_are_refused_with_close_names() -> None:
+    model = tiny_dlrm(10)
+    with pytest.raises(ValueError, match=r"\['t_cta_1'\] \(closest: \{'t_cta_1': \['t_cat_1'"):
+        check_constraints_match_model(table_wise(["t_cat_0", "t_cta_1"]), model)
+    check_constraints_match_model(table_wise(2), model)
+    check_constraints_match_model(None, model)
+
+
+# ---------------------------------------------------------------- plans
+
+
+def test_explicit_row_wise_plan_and_plan_for_other_world_are_refused() -> None:
+    model, row_wise = tiny_dlrm(), sharding_constraints({"t_cat_0": "row_wise"})
+    topology = Topology(world_size=2, compute_device="cuda", local_world_size=2)
+    plan = make_planner(model, topology, row_wise).plan(model, default_sharders(None))
+    with pytest.raises(ValueError, match=r"'t_cat_0'.*row_wise, which needs CUDA"):
+        check_plan(plan, world_size=2, compute_device="cpu")
+    with pytest.raises(ValueError, match=r"on ranks \[1\].*world has 1 ranks"):
+        check_plan(plan, world_size=1, compute_device="cuda")
+    check_plan(plan, world_size=2, compute_device="cuda")
+
+
+def test_check_plan_names_table_and_module() -> None:
+    plan = plan_of({"t_cat_0": sharding(), "t_cat_1": sharding(ranks=[3])})
+    with pytest.raises(ValueError, match=rf"table 't_cat_1' of module '{EBC}' on ranks \[3\]"):
+        check_plan(plan, world_size=2, compute_device="cpu")
+    check_plan(plan, world_size=4, compute_device="cpu")
+    check_plan(plan_of({"t_cat_0": sharding("column_wise", [0, 1])}), 2, "cpu")
+
+
+def test_plan_for_tables_the_model_does_not_have() -> None:
+    plan = plan_of({"t_user": sharding()})
+    with pytest.raises(ValueError, match=r"tables \['t_user'\].*t_cat_0"):
+        check_plan_matches_model(plan, tiny_dlrm(10))
+    elsewhere = plan_of({"t_cat_0": sharding()}, module="model_and_loss.model.ebc")
+    with pytest.raises(
+        ValueError, match=r"module 'model_and_loss\.model\.ebc'.*tables there: \[\]"
+    ):
+        check_plan_matches_model(elsewhere, tiny_dlrm(10))
+    check_plan_matches_model(plan_of({"t_cat_1": sharding()}), tiny_dlrm(10))
+
+
+# ---------------------------------------------------------------- fused optimizers
+
+
+def test_fused_adam_on_cpu_is_refused_at_setup() -> None:
+    with pytest.raises(ValueError, match="'adam'.*not supported on CPU"):
+        check_fused_optimizer_for_device(default_sharders({"optimizer": "adam"}), "cpu")
+    check_fused_optimizer_for_device(default_sharders({"optimizer": "adam"}), "cuda")
+
+
+def test_fused_optimizer_refusal_names_the_sharder_and_the_cpu_ones() -> None:
+    sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": "partial_rowwise_adam"})
+    with pytest.raises(
+        ValueError, match=r"in EmbeddingBagCollectionSharder.*exact_row_wise_adagrad"
+    ):
+        check_fused_optimizer_for_device([sharder], "cpu")
+    check_fused_optimizer_for_device(default_sharders(None), "cpu")  # row-wise Adagrad
+    check_fused_optimizer_for_device(default_sharders({"optimizer": "exact_sgd"}), "cpu")
+    check_fused_optimizer_for_device([EmbeddingBagCollectionSharder()], "cpu")  # no fused params
+
+
+# ---------------------------------------------------------------- planner errors
+
+
+def test_tables_too_large_explained_in_bytes() -> None:
+    model = tiny_dlrm([10, 40_000_000_000])
+    topology = make_topology(2, 2, "cpu")
+    with pytest.raises(Exception) as planner_error:
+        make_planner(model, topology).plan(model, default_sharders(None))
+    msg = explain_planner_error(planner_error.value, model, topology)
+    assert "640000000160 bytes" in msg  # 4e10 x 4 x fp32 + 10 x 4 x fp32
+    assert "t_cat_1: 596.0 GiB" in msg and "Each of the 2 ranks offers" in msg
+    assert "Planner said: Unable to find a plan" in msg
+
+
+def test_planner_error_without_a_topology_still_gives_the_bytes() -> None:
+    msg = explain_planner_error(RuntimeError("no room"), tiny_dlrm([10, 30]), None)
+    lines = msg.splitlines()
+    assert lines[0].startswith("Sharding planning failed (RuntimeError). The tables need 640 B")
+    assert "(largest: t_cat_1: 480 B, t_cat_0: 160 B)" in lines[0]
+    assert not any("ranks offers" in line for line in lines)
+    assert lines[-1] == "Planner said: no room"
+
+
+# ---------------------------------------------------------------- precision and fit settings
+
+
+@pytest.mark.parametrize(
+    "plugin", [HalfPrecision("bf16-true"), HalfPrecision("16-true"), DoublePrecision()]
+)
+def test_whole_model_precisions_are_refused_naming_them(plugin: Precision) -> None:
+    with pytest.raises(ValueError, match=rf"precision='{plugin.precision}'.*bf16-mixed"):
+        check_precision(plugin)
+
+
+def test_mixed_and_full_precision_pass() -> None:
+    check_precision(Precision())
+    check_precision(MixedPrecision("bf16-mixed", "cpu"))
+    check_fused_precision(MixedPrecision("bf16-mixed", "cpu"))
+    check_fused_precision(Precision())
+
+
+def test_a_grad_scaler_with_fused_tables_is_refused() -> None:
+    scaled = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(ValueError, match="'16-mixed' uses a gradient scaler.*scaled"):
+        check_fused_precision(scaled)
+    check_precision(scaled)  # mixed precision itself is fine
+
+
+def fit_settings(accumulate: int = 1, clip: float | None = None) -> SimpleNamespace:
+    return SimpleNamespace(
+        precision_plugin=Precision(), accumulate_grad_batches=accumulate, gradient_clip_val=clip
+    )
+
+
+def test_fused_training_refuses_accumulation_without_opt_in() -> None:
+    with pytest.raises(ValueError, match="accumulate_grad_batches=4.*allow_fused_gradient"):
+        check_fused_training(fit_settings(accumulate=4), False)
+    check_fused_training(fit_settings(accumulate=4), True)
+    check_fused_training(fit_settings(), False)
+    scaled = fit_settings()
+    scaled.precision_plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(ValueError, match="gradient scaler"):
+        check_fused_training(scaled, True)
+
+
+def test_fused_training_warns_that_clipping_skips_the_tables() -> None:
+    with pytest.warns(UserWarning, match="Gradient clipping reaches the dense parameters only"):
+        check_fused_training(fit_settings(clip=1.0), False)
+
+
+def test_sync_batchnorm_is_refused_on_cpu() -> None:
+    with pytest.raises(ValueError, match="sync_batchnorm=True.*GPUs only"):
+        check_sync_batchnorm(torch.device("cpu"))
+    check_sync_batchnorm(torch.device("cuda", 0))
+
+
+def test_materialized_tables_are_warned_about_with_their_size() -> None:
+    with pytest.warns(UserWarning, match=r"2 embedding tables \(240 B\) were built whole"):
+        warn_materialized({"a": torch.zeros(10, 4), "b": torch.zeros(5, 4)})
+
+
+def test_no_materialized_tables_no_warning(recwarn: pytest.WarningsRecorder) -> None:
+    warn_materialized({})
+    assert not recwarn.list
