@@ -13,6 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+#: Smallest positive float32: keeps an all-zero-weight batch finite. A constant (not
+#: ``torch.finfo(weights.dtype)``) so TorchRec's pipelines can trace the loss with torch.fx.
+_TINY = torch.finfo(torch.float32).tiny
+
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], "torch.Tensor | Mapping[str, Any]"]
 
 
@@ -32,7 +36,7 @@ def weighted_bce_with_logits(
     per_sample = F.binary_cross_entropy_with_logits(
         logits.reshape(labels.shape), labels, reduction="none"
     )
-    return (per_sample * weights).sum() / weights.sum().clamp_min(torch.finfo(weights.dtype).tiny)
+    return (per_sample * weights).sum() / weights.sum().clamp_min(_TINY)
 
 
 def dense_and_sparse(batch: Any) -> tuple[Any, ...]:

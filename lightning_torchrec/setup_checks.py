@@ -313,6 +313,23 @@ def check_fused_training(trainer: Any, allow_fused_gradient_accumulation: bool) 
         )
 
 
+def check_pipeline_training(trainer: Any) -> None:
+    """Refuses fit settings TorchRec's train pipeline cannot combine with.
+
+    Args:
+        trainer: the Trainer about to fit with ``TorchRecStrategy(pipeline=...)``.
+
+    Raises:
+        ValueError: for gradient accumulation (the pipeline runs one update per batch).
+    """
+    if trainer.accumulate_grad_batches > 1:
+        raise ValueError(
+            f"accumulate_grad_batches={trainer.accumulate_grad_batches} cannot combine with a "
+            "train pipeline: the pipeline runs the next batch's input all-to-all against every "
+            "update. Use pipeline=None to accumulate, or a larger batch."
+        )
+
+
 def check_sync_batchnorm(device: torch.device) -> None:
     """Refuses ``Trainer(sync_batchnorm=True)`` where torch's ``SyncBatchNorm`` cannot run.
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
@@ -12,13 +11,13 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torchrec.distributed.model_parallel import DataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner
 from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from typing_extensions import override
 
-from lightning_torchrec.checkpoint import load_sharded, remove_checkpoint, save_sharded
 from lightning_torchrec.compat import (
     ResultsOnlyLauncher,
     is_last_batch,
@@ -30,22 +29,24 @@ from lightning_torchrec.faults import StepGuard, check_counts, peer_failure
 from lightning_torchrec.optim import (
     DenseAndFusedOptimizer,
     combine_with_schedulers,
-    keyed_optimizer,
 )
+from lightning_torchrec.pipelines import PIPELINES, SparseDistPipeline
 from lightning_torchrec.plan_summary import PlanSummary, log_plan
 from lightning_torchrec.planning import ShardingConfig, shard_model
 from lightning_torchrec.setup_checks import (
     check_fused_precision,
     check_fused_training,
+    check_pipeline_training,
     check_precision,
     check_sync_batchnorm,
 )
 from lightning_torchrec.sharders import has_fused_tables
+from lightning_torchrec.strategy_checkpoints import ShardedCheckpointing
 
 log = logging.getLogger(__name__)
 
 
-class TorchRecStrategy(DDPStrategy):
+class TorchRecStrategy(ShardedCheckpointing, DDPStrategy):
     """Trains any LightningModule holding TorchRec embedding modules with sharded tables.
 
     One process per device (gloo on CPU, nccl on CUDA; Lightning's launcher, ``torchrun`` and
@@ -90,6 +91,10 @@ class TorchRecStrategy(DDPStrategy):
             values); ``"ignore"``. The verdict shares the batch check's one small collective.
         check_finite_checkpoints: refuse to save a checkpoint holding NaN/inf weights or
             optimizer state.
+        pipeline: ``"sparse_dist"`` trains through TorchRec's ``TrainPipelineSparseDist``
+            (the next batch's copy and sparse input all-to-all overlap this batch's forward and
+            backward; same results as ``None``) with ``training_step`` unchanged; see
+            ``lightning_torchrec.pipelines``. ``None``: no pipeline.
 
     Raises:
         ValueError: if both ``sharders`` and ``fused_params`` are given, ``plan`` with
@@ -120,7 +125,10 @@ class TorchRecStrategy(DDPStrategy):
         validate_batches: bool | int = True,
         on_nonfinite_loss: Literal["raise", "ignore"] = "raise",
         check_finite_checkpoints: bool = True,
+        pipeline: Literal["sparse_dist"] | None = None,
     ) -> None:
+        if pipeline not in PIPELINES:
+            raise ValueError(f"pipeline must be one of {PIPELINES}, got {pipeline!r}")
         self.sharding = ShardingConfig(sharders, plan, constraints, fused_params, planner)
         self._guard = StepGuard(on_nonfinite_loss, validate_batches=validate_batches)
         super().__init__(
@@ -140,6 +148,8 @@ class TorchRecStrategy(DDPStrategy):
         self.collective_timeout = timeout
         self.start_method = start_method
         self.check_finite_checkpoints = check_finite_checkpoints
+        self.pipeline = pipeline
+        self._pipeline: SparseDistPipeline | None = None
         self._dmp: DistributedModelParallel | None = None
         self._plan: ShardingPlan | None = None
         self._sharded_module: L.LightningModule | None = None
@@ -186,16 +196,6 @@ class TorchRecStrategy(DDPStrategy):
             self._results_launcher = ResultsOnlyLauncher(self, start_method=self.start_method)
         return self._results_launcher
 
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        return False
-
     # ------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: L.Trainer) -> None:
@@ -211,6 +211,9 @@ class TorchRecStrategy(DDPStrategy):
             if has_fused_tables(self._plan):
                 check_fused_precision(self.precision_plugin)
                 check_fused_training(trainer, self.allow_fused_gradient_accumulation)
+            if self.pipeline is not None:
+                check_pipeline_training(trainer)
+                self._pipeline = SparseDistPipeline(self._dmp, self.root_device)
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
 
@@ -276,9 +279,45 @@ class TorchRecStrategy(DDPStrategy):
         # whether every rank is (or no rank is) at its last batch.
         batch = args[0] if args else kwargs.get("batch")
         self._collective(self._guard.before_training_step, batch, step, batch_idx, last)
-        output = self._collective(super().training_step, *args, **kwargs)
+        if self._pipeline is not None:
+            output = self._pipelined_step(batch, batch_idx)
+        else:
+            output = self._collective(super().training_step, *args, **kwargs)
         self._guard.record_loss(output, step)
         return output
+
+    def _pipelined_step(self, host_batch: Any, batch_idx: int) -> Any:
+        pipeline = self._pipeline
+        assert pipeline is not None
+        parent = super()
+
+        def step(device_batch: Any) -> Any:
+            return parent.training_step(device_batch, batch_idx)
+
+        if pipeline.checked:
+            return self._collective(pipeline.train_step, step)
+        pipeline.checked = True
+        output, error = self._collective(pipeline.first_step, step)
+        missed = pipeline.unpipelined() if error is None else [repr(error)]
+        if missed:
+            rank_zero_warn(
+                f"TorchRec's train pipeline cannot pipeline this model ({missed}): its tracer of "
+                "LightningModule.forward(batch) must find the sharded modules' inputs as "
+                "attributes of the batch. "
+                + ("Training continues without the pipeline." if error else "They run unpipelined.")
+            )
+        if error is not None:
+            self._pipeline = None
+            batch = parent.batch_to_device(host_batch)
+            output = self._collective(parent.training_step, batch, batch_idx)
+        return output
+
+    @override
+    def batch_to_device(self, batch: Any, device: Any = None, dataloader_idx: int = 0) -> Any:
+        # The pipeline copies training batches to the device itself (on its own stream).
+        if self._pipeline is not None and self.lightning_module.trainer.training:
+            return batch
+        return super().batch_to_device(batch, device, dataloader_idx)
 
     def _eval_step(self, step_fn: Any, stage: str, args: Any, kwargs: Any) -> Any:
         batch_idx = int(args[1] if len(args) > 1 else kwargs.get("batch_idx", 0))
@@ -296,6 +335,8 @@ class TorchRecStrategy(DDPStrategy):
 
     @override
     def on_validation_start(self) -> None:
+        if self._pipeline is not None:
+            self._pipeline.detach()  # evaluation runs the sharded modules' own forwards
         self._check_batch_counts("validation", sum(self.lightning_module.trainer.num_val_batches))
 
     @override
@@ -330,56 +371,7 @@ class TorchRecStrategy(DDPStrategy):
         # The last step's loss has no next step to be judged at.
         self._collective(self._guard.flush)
 
-    # ------------------------------------------------------------------ checkpoints
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.lightning_module is not None
-        return self.lightning_module.state_dict()
-
-    @override
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        # The keyed optimizer itself is saved by `save_checkpoint`; Lightning only needs a
-        # placeholder in its list.
-        return {}
-
-    @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
-    ) -> None:
-        if storage_options is not None:
-            raise TypeError("TorchRecStrategy.save_checkpoint does not take storage_options")
-        path = Path(self.broadcast(str(filepath)))
-        checkpoint = dict(checkpoint)
-        model_state = checkpoint.pop("state_dict", None)
-        has_optim = bool(checkpoint.pop("optimizer_states", None))
-        optimizers = [keyed_optimizer(o) for o in self.optimizers] if has_optim else []
-        assert self.lightning_module is not None
-        save_sharded(
-            path,
-            self.lightning_module,
-            optimizers,
-            checkpoint,
-            model_state=model_state,
-            check_finite_values=self.check_finite_checkpoints,
-        )
-
-    @override
-    def load_checkpoint(
-        self, checkpoint_path: Any, weights_only: bool | None = None
-    ) -> dict[str, Any]:
-        path = Path(self.broadcast(str(checkpoint_path)))
-        assert self.lightning_module is not None
-        optimizers = [keyed_optimizer(o) for o in self.optimizers]
-        meta = load_sharded(
-            path,
-            self.lightning_module,
-            optimizers,
-            weights_only=True if weights_only is None else weights_only,
-            load_optimizer_states=self.load_optimizer_states,
-        )
-        self._push_fused_lr()
-        return meta
-
+    # ------------------------------------------------------------------ data
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
         # Lightning creates the first epoch's iterator before it sets the sampler's epoch and does
@@ -389,22 +381,9 @@ class TorchRecStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             set_sampler_epoch(dataloader, processed_epochs(trainer))
+            if self._pipeline is not None and trainer.training:
+                return self._pipeline.feed(dataloader)
         return dataloader
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        # Loaded in place by `load_checkpoint`.
-        pass
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        # Loaded in place by `load_checkpoint`.
-        pass
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:
-            remove_checkpoint(filepath)
 
     # ------------------------------------------------------------------ teardown
     @override

@@ -26,15 +26,23 @@ LAYERS: list[set[str]] = [
     {"tables", "checkpoint_files"},
     {"layout", "plan_summary", "key_order", "sharders", "batch_checks"},
     {"setup_checks", "norms", "ebc_norms", "faults", "optim", "model_and_loss"},
-    {"planning", "checkpoint", "data.batch", "data.sampling"},
+    {"planning", "checkpoint", "data.batch", "data.sampling", "pipelines"},
     {"consolidate", "module", "data.synthetic"},
     {"data"},
-    {"dlrm"},
+    {"dlrm", "strategy_checkpoints"},
     {"strategy", "callbacks.norms", "callbacks.preemption"},
     {"callbacks"},
     {"demo", "__init__"},
 ]
-GLUE = {"strategy", "callbacks", "callbacks.norms", "callbacks.preemption", "demo", "__init__"}
+GLUE = {
+    "strategy",
+    "strategy_checkpoints",
+    "callbacks",
+    "callbacks.norms",
+    "callbacks.preemption",
+    "demo",
+    "__init__",
+}
 #: Imports allowed inside functions (optional dependencies): none today.
 OPTIONAL: set[str] = set()
 

@@ -1,0 +1,186 @@
+"""TorchRec's sparse-dist train pipeline under Lightning's loop, with ``training_step`` unchanged.
+
+``TrainPipelineSparseDist`` overlaps the next batch's host-to-device copy and sparse input
+all-to-all with the current batch's forward and backward. It normally owns the loop
+(``progress(dataloader_iter)`` runs forward, backward and optimizer step). Here Lightning keeps
+the loop, the backward and the optimizer step:
+
+* :class:`PipelineFeed` wraps the training dataloader: Lightning and the pipeline read the same
+  batches through ``itertools.tee`` (the pipeline reads up to two batches ahead); each epoch's
+  iterator resets the pipeline.
+* :class:`SparseDistPipeline` runs ``progress()`` once per Lightning training step with a model
+  forward that is the strategy's ``training_step`` on the pipeline's (device) copy of the batch;
+  the pipeline's own backward and optimizer step are disabled
+  (:class:`~lightning_torchrec.compat.ForwardOnlySparseDist`), so the order of collectives and
+  updates is TorchRec's: input dist of batch ``i + 1`` before the forward of batch ``i``, its
+  completion before the backward of batch ``i``.
+* A model TorchRec cannot trace (:meth:`SparseDistPipeline.first_step`) trains unpipelined.
+* Evaluation runs unpipelined: the pipeline detaches (restores the sharded modules' forwards)
+  before validation and re-attaches at the next training step.
+
+The pipeline traces ``LightningModule.forward(batch)`` (TorchRec's FX tracer) to find the inputs
+of the sharded modules: ``training_step`` must reach them through ``forward`` with the same batch.
+Where TorchRec cannot pipeline a sharded module, :meth:`SparseDistPipeline.unpipelined` names it
+and the strategy trains without the pipeline.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torchrec.distributed.types import ShardedModule
+
+from lightning_torchrec.compat import ForwardOnlySparseDist, pipelined_modules
+
+PIPELINES = (None, "sparse_dist")
+
+
+class _NoOptimizer:
+    """The pipeline's optimizer: Lightning zeroes gradients and steps the real one."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Does nothing.
+
+        Args:
+            set_to_none: ignored.
+        """
+
+    def step(self, closure: Any = None) -> None:
+        """Does nothing.
+
+        Args:
+            closure: ignored.
+        """
+
+
+class PipelineFeed:
+    """A training dataloader whose batches the pipeline reads ahead of Lightning.
+
+    Everything but iteration is the wrapped loader's (``len``, ``sampler``, ``dataset``, ...).
+
+    Args:
+        loader: the training dataloader.
+        on_epoch: called with the pipeline's iterator whenever a new epoch's iterator is made.
+    """
+
+    def __init__(self, loader: Any, on_epoch: Callable[[Iterator[Any]], None]) -> None:
+        self.loader = loader
+        self.on_epoch = on_epoch
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)
+
+    def __iter__(self) -> Iterator[Any]:
+        lightning_side, pipeline_side = itertools.tee(iter(self.loader), 2)
+        self.on_epoch(pipeline_side)
+        return lightning_side
+
+
+class SparseDistPipeline:
+    """One TorchRec sparse-dist pipeline driven by Lightning's training steps.
+
+    Args:
+        model: the ``DistributedModelParallel``.
+        device: the rank's device.
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self._step: Callable[[Any], Any] | None = None
+        self._pipeline = ForwardOnlySparseDist(
+            model=model,
+            optimizer=_NoOptimizer(),  # type: ignore[arg-type]
+            device=device,
+            execute_all_batches=True,
+            custom_model_fwd=self._forward,
+        )
+        self._model = model
+        self._iterator: Iterator[Any] | None = None
+        self.checked = False
+
+    def _forward(self, batch: Any) -> tuple[None, Any]:
+        assert self._step is not None
+        return None, self._step(batch)
+
+    def new_epoch(self, iterator: Iterator[Any]) -> None:
+        """Starts over with a new epoch's batches (drops batches still in flight).
+
+        Args:
+            iterator: the pipeline's side of the epoch's iterator.
+        """
+        self._pipeline.reset()
+        self._iterator = iterator
+
+    def feed(self, loader: Any) -> PipelineFeed:
+        """Wraps a training dataloader so the pipeline reads its batches ahead.
+
+        Args:
+            loader: the training dataloader.
+
+        Returns:
+            The wrapped loader (give it to Lightning).
+        """
+        return PipelineFeed(loader, self.new_epoch)
+
+    def train_step(self, step: Callable[[Any], Any]) -> Any:
+        """Runs one pipelined step: ``step(device_batch)`` is the forward of the current batch.
+
+        Args:
+            step: runs the training step on the pipeline's copy of the current batch and
+                returns its output (the loss); Lightning does the backward and the update.
+
+        Returns:
+            What ``step`` returned.
+        """
+        assert self._iterator is not None, "the training dataloader was not fed to the pipeline"
+        self._step = step
+        try:
+            return self._pipeline.progress(self._iterator)
+        finally:
+            self._step = None
+
+    def first_step(self, step: Callable[[Any], Any]) -> tuple[Any, Exception | None]:
+        """:meth:`train_step` for the first step, when TorchRec traces and rewrites the model.
+
+        Args:
+            step: as for :meth:`train_step`.
+
+        Returns:
+            ``(output, None)``; or ``(None, error)`` when TorchRec failed before the forward
+            (e.g. its FX tracer cannot trace ``forward``): the model is detached and the caller
+            runs the step unpipelined.
+        """
+        ran = []
+
+        def tracked(batch: Any) -> Any:
+            ran.append(True)
+            return step(batch)
+
+        try:
+            return self.train_step(tracked), None
+        except Exception as e:
+            if ran:
+                raise
+            self.detach()
+            return None, e
+
+    def detach(self) -> None:
+        """Restores the sharded modules' own forwards (before evaluation)."""
+        self._pipeline.detach()
+
+    def unpipelined(self) -> list[str]:
+        """Sharded modules TorchRec's tracer could not pipeline (after the first step).
+
+        Returns:
+            Their names in the model; empty when every sharded module is pipelined.
+        """
+        inner = self._model.module if hasattr(self._model, "module") else self._model
+        sharded = {id(m): n for n, m in inner.named_modules() if isinstance(m, ShardedModule)}
+        done = {id(m) for m in pipelined_modules(self._pipeline)}
+        return sorted(name for key, name in sharded.items() if key not in done)

@@ -1,0 +1,74 @@
+"""Pipelined and unpipelined training on 2 ranks (run as a script; Lightning relaunches it).
+
+``python pipeline_ranks.py OUT``: the same model, data and seed trained with
+``TorchRecStrategy(pipeline=None)`` and ``pipeline="sparse_dist"`` for ``STEPS`` steps with
+validation every ``VAL_EVERY`` steps; each rank writes ``{pipeline}_rank{r}.pt`` with every
+step's loss, the validation losses and its local state at the end.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from factory import QUIET, WIDE, table_wise, tiny_data, tiny_dlrm
+from lightning.pytorch.callbacks import Callback
+from rank_state import local_view
+
+from lightning_torchrec import TorchRecStrategy
+from lightning_torchrec.compat import pipelined_modules
+
+OUT = Path(sys.argv[1])
+STEPS, VAL_EVERY = 60, 20
+
+
+class Losses(Callback):
+    def __init__(self) -> None:
+        self.train: list[torch.Tensor] = []
+        self.val: list[float] = []
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: Any, loss: torch.Tensor) -> None:
+        self.train.append(loss.detach().clone())
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+        self.val.append(float(trainer.callback_metrics["val/loss"]))
+
+
+def run(pipeline: str | None) -> None:
+    L.seed_everything(5)
+    data = tiny_data(50, 4, batch_size=64, train_batches=40, val_batches=4, ids_per_feature=2)
+    model = tiny_dlrm(50, 4, **WIDE)
+    losses = Losses()
+    strategy = TorchRecStrategy(
+        constraints=table_wise(4), fused_params={"learning_rate": 0.1}, pipeline=pipeline
+    )
+    trainer = L.Trainer(
+        strategy=strategy,
+        devices=2,
+        max_steps=STEPS,
+        val_check_interval=VAL_EVERY,
+        callbacks=[losses],
+        **QUIET,
+    )
+    trainer.fit(model, datamodule=data)
+    torch.save(
+        {
+            "train": losses.train,
+            "val": losses.val,
+            "state": local_view(model.state_dict()),
+            "steps": trainer.global_step,
+            "unpipelined": strategy._pipeline.unpipelined() if strategy._pipeline else None,
+            "pipelined": len(pipelined_modules(strategy._pipeline._pipeline))
+            if strategy._pipeline
+            else 0,
+        },
+        OUT / f"{pipeline}_rank{trainer.global_rank}.pt",
+    )
+
+
+if __name__ == "__main__":
+    run(None)
+    run("sparse_dist")
