@@ -32,6 +32,7 @@ BENCHMARKS = [
     "sampling_scale",
     "checkpoint_cost",
     "planner_scale",
+    "pipeline_throughput",
 ]
 
 
@@ -55,6 +56,31 @@ def _size(size: dict[str, int]) -> str:
     )
 
 
+def pipeline_table(out: Path) -> list[str]:
+    """The train-pipeline section of the report (empty without its result file)."""
+    r = _load(out, "pipeline_throughput")
+    if not r:
+        return []
+    lines = [
+        "## Train pipelines: raw TorchRec loops and the Trainer, side by side",
+        "",
+        "2 gloo ranks on CPU, table-wise plan, each variant run in turn (twice) in the same "
+        "processes after a warm-up; the Trainer at Lightning's parity settings (no progress bar, "
+        "no logger). Samples/s of both ranks together; ratio = step time / raw base loop's.",
+        "",
+        "| model | variant | step | samples/s | ratio to raw base |",
+        "|---|---|---|---|---|",
+    ]
+    for name, sized in r["sizes"].items():
+        for variant, v in sized.items():
+            if isinstance(v, dict) and "samples_per_s" in v:
+                lines.append(
+                    f"| {name}: {_size(sized['size'])} | {variant} | {_ms(v['step_s'])} | "
+                    f"{v['samples_per_s']:,.0f} | {v['ratio_to_raw_base']:.3f} |"
+                )
+    return [*lines, ""]
+
+
 def table(out: Path) -> str:
     """The Markdown report of every result file present in ``out``."""
     lines = [
@@ -65,6 +91,7 @@ def table(out: Path) -> str:
         "medians with the interquartile range (IQR).",
         "",
     ]
+    lines += pipeline_table(out)
     r = _load(out, "strategy_overhead")
     if r:
         lines += [
