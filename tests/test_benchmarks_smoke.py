@@ -17,7 +17,7 @@ import pytest
 from benchmarks.run import table
 from tests.helpers import ROOT, clean_env
 
-MULTI = ["strategy_overhead", "callback_cost", "checkpoint_cost"]
+MULTI = ["strategy_overhead", "callback_cost", "checkpoint_cost", "pipeline_throughput"]
 SINGLE = ["norm_throughput", "sampling_scale", "planner_scale"]
 
 
@@ -117,8 +117,16 @@ def test_planner_scale_plans_every_world_size(results: Path) -> None:
         assert held["n"] * held["mean"] == pytest.approx(r["total_table_bytes"])
 
 
+def test_pipeline_variants_all_measured(results: Path) -> None:
+    sized = _load(results, "pipeline_throughput")["sizes"]["tiny"]
+    for variant in ("raw_base", "raw_sparse_dist", "trainer_none", "trainer_sparse_dist"):
+        assert sized[variant]["samples_per_s"] > 0
+        assert sized[variant]["step_s"]["n"] >= 5
+    assert sized["raw_base"]["ratio_to_raw_base"] == 1.0
+
+
 def test_markdown_table_has_every_section(results: Path) -> None:
     text = (results / "README.md").read_text()
-    for section in ("## 1.", "## 2.", "## 3.", "## 4.", "## 5.", "## 6."):
+    for section in ("## 1.", "## 2.", "## 3.", "## 4.", "## 5.", "## 6.", "## Train pipelines"):
         assert section in text
     assert "NaN" not in text and "nan" not in text.split()
