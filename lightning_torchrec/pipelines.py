@@ -15,8 +15,12 @@ the loop, the backward and the optimizer step:
   updates is TorchRec's: input dist of batch ``i + 1`` before the forward of batch ``i``, its
   completion before the backward of batch ``i``.
 * A model TorchRec cannot trace (:meth:`SparseDistPipeline.first_step`) trains unpipelined.
-* Evaluation runs unpipelined: the pipeline detaches (restores the sharded modules' forwards)
-  before validation and re-attaches at the next training step.
+* Validation, test and predict run through a second pipeline of the same kind with the model in
+  eval mode (``progress()`` then runs the forward only: the shape of TorchRec's
+  ``EvalPipelineSparseDist``, whose fixed ``model(batch)`` forward cannot call
+  ``validation_step``). The training pipeline detaches (restores the sharded modules' forwards)
+  before evaluation and re-attaches at the next training step; the evaluation one detaches at
+  the end of each evaluation.
 
 The pipeline traces ``LightningModule.forward(batch)`` (TorchRec's FX tracer) to find the inputs
 of the sharded modules: ``training_step`` must reach them through ``forward`` with the same batch.
@@ -31,6 +35,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torchrec.distributed.types import ShardedModule
 
@@ -169,6 +174,33 @@ class SparseDistPipeline:
                 raise
             self.detach()
             return None, e
+
+    def run(self, step: Callable[[Any], Any], unpipelined: Callable[[], Any]) -> tuple[Any, bool]:
+        """One step through the pipeline; on the first, check what TorchRec could pipeline.
+
+        Args:
+            step: runs the step on the pipeline's copy of the current batch.
+            unpipelined: runs the step without the pipeline (when TorchRec cannot trace).
+
+        Returns:
+            ``(output, usable)``: ``usable`` False means TorchRec cannot pipeline the model (a
+            warning names why) and ``output`` came from ``unpipelined``; drop the pipeline.
+        """
+        if self.checked:
+            return self.train_step(step), True
+        self.checked = True
+        output, error = self.first_step(step)
+        missed = self.unpipelined() if error is None else [repr(error)]
+        if missed:
+            rank_zero_warn(
+                f"TorchRec's train pipeline cannot pipeline this model ({missed}): its tracer of "
+                "LightningModule.forward(batch) must find the sharded modules' inputs as "
+                "attributes of the batch. "
+                + ("It runs without the pipeline." if error else "They run unpipelined.")
+            )
+        if error is not None:
+            return unpipelined(), False
+        return output, True
 
     def detach(self) -> None:
         """Restores the sharded modules' own forwards (before evaluation)."""

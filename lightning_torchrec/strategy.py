@@ -11,7 +11,6 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torchrec.distributed.model_parallel import DataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner
 from torchrec.distributed.planner.types import ParameterConstraints
@@ -93,8 +92,9 @@ class TorchRecStrategy(ShardedCheckpointing, DDPStrategy):
             optimizer state.
         pipeline: ``"sparse_dist"`` trains through TorchRec's ``TrainPipelineSparseDist``
             (the next batch's copy and sparse input all-to-all overlap this batch's forward and
-            backward; same results as ``None``) with ``training_step`` unchanged; see
-            ``lightning_torchrec.pipelines``. ``None``: no pipeline.
+            backward; same results as ``None``) with ``training_step`` unchanged, and runs
+            validation, test and predict through the same pipeline in eval mode (forward only);
+            see ``lightning_torchrec.pipelines``. ``None``: no pipeline.
 
     Raises:
         ValueError: if both ``sharders`` and ``fused_params`` are given, ``plan`` with
@@ -150,6 +150,7 @@ class TorchRecStrategy(ShardedCheckpointing, DDPStrategy):
         self.check_finite_checkpoints = check_finite_checkpoints
         self.pipeline = pipeline
         self._pipeline: SparseDistPipeline | None = None
+        self._eval_pipeline: SparseDistPipeline | None = None
         self._dmp: DistributedModelParallel | None = None
         self._plan: ShardingPlan | None = None
         self._sharded_module: L.LightningModule | None = None
@@ -279,43 +280,27 @@ class TorchRecStrategy(ShardedCheckpointing, DDPStrategy):
         # whether every rank is (or no rank is) at its last batch.
         batch = args[0] if args else kwargs.get("batch")
         self._collective(self._guard.before_training_step, batch, step, batch_idx, last)
+        parent = super()
         if self._pipeline is not None:
-            output = self._pipelined_step(batch, batch_idx)
+            output, usable = self._collective(
+                self._pipeline.run,
+                lambda device_batch: parent.training_step(device_batch, batch_idx),
+                lambda: parent.training_step(parent.batch_to_device(batch), batch_idx),
+            )
+            self._pipeline = self._pipeline if usable else None
         else:
-            output = self._collective(super().training_step, *args, **kwargs)
+            output = self._collective(parent.training_step, *args, **kwargs)
         self._guard.record_loss(output, step)
         return output
 
-    def _pipelined_step(self, host_batch: Any, batch_idx: int) -> Any:
-        pipeline = self._pipeline
-        assert pipeline is not None
-        parent = super()
-
-        def step(device_batch: Any) -> Any:
-            return parent.training_step(device_batch, batch_idx)
-
-        if pipeline.checked:
-            return self._collective(pipeline.train_step, step)
-        pipeline.checked = True
-        output, error = self._collective(pipeline.first_step, step)
-        missed = pipeline.unpipelined() if error is None else [repr(error)]
-        if missed:
-            rank_zero_warn(
-                f"TorchRec's train pipeline cannot pipeline this model ({missed}): its tracer of "
-                "LightningModule.forward(batch) must find the sharded modules' inputs as "
-                "attributes of the batch. "
-                + ("Training continues without the pipeline." if error else "They run unpipelined.")
-            )
-        if error is not None:
-            self._pipeline = None
-            batch = parent.batch_to_device(host_batch)
-            output = self._collective(parent.training_step, batch, batch_idx)
-        return output
+    def _stage_pipeline(self) -> SparseDistPipeline | None:
+        training = self.lightning_module.trainer.training
+        return self._pipeline if training else self._eval_pipeline
 
     @override
     def batch_to_device(self, batch: Any, device: Any = None, dataloader_idx: int = 0) -> Any:
-        # The pipeline copies training batches to the device itself (on its own stream).
-        if self._pipeline is not None and self.lightning_module.trainer.training:
+        # A pipeline copies its batches to the device itself (on its own stream).
+        if self._stage_pipeline() is not None:
             return batch
         return super().batch_to_device(batch, device, dataloader_idx)
 
@@ -324,7 +309,20 @@ class TorchRecStrategy(ShardedCheckpointing, DDPStrategy):
         last = is_last_batch(self.lightning_module.trainer)
         batch = args[0] if args else kwargs.get("batch")
         self._collective(self._guard.before_eval_step, batch, stage, batch_idx, last)
-        return self._collective(step_fn, *args, **kwargs)
+        pipeline = self._eval_pipeline
+        if pipeline is None:
+            return self._collective(step_fn, *args, **kwargs)
+        output, usable = self._collective(
+            pipeline.run,
+            lambda device_batch: step_fn(device_batch, *args[1:], **kwargs),
+            lambda: step_fn(super(TorchRecStrategy, self).batch_to_device(batch), *args[1:]),
+        )
+        self._eval_pipeline = pipeline if usable else None
+        return output
+
+    def _end_evaluation(self) -> None:
+        if self._eval_pipeline is not None:
+            self._eval_pipeline.detach()  # the training pipeline re-attaches at its next step
 
     def _check_batch_counts(self, stage: str, count: float) -> None:
         self._collective(check_counts, count, stage)
@@ -338,6 +336,18 @@ class TorchRecStrategy(ShardedCheckpointing, DDPStrategy):
         if self._pipeline is not None:
             self._pipeline.detach()  # evaluation runs the sharded modules' own forwards
         self._check_batch_counts("validation", sum(self.lightning_module.trainer.num_val_batches))
+
+    @override
+    def on_validation_end(self) -> None:
+        self._end_evaluation()
+
+    @override
+    def on_test_end(self) -> None:
+        self._end_evaluation()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._end_evaluation()
 
     @override
     def on_test_start(self) -> None:
@@ -383,6 +393,11 @@ class TorchRecStrategy(ShardedCheckpointing, DDPStrategy):
             set_sampler_epoch(dataloader, processed_epochs(trainer))
             if self._pipeline is not None and trainer.training:
                 return self._pipeline.feed(dataloader)
+        if trainer is not None and self.pipeline is not None and not trainer.training:
+            if self._eval_pipeline is None:
+                assert self._dmp is not None
+                self._eval_pipeline = SparseDistPipeline(self._dmp, self.root_device)
+            return self._eval_pipeline.feed(dataloader)
         return dataloader
 
     # ------------------------------------------------------------------ teardown

@@ -33,14 +33,17 @@ def test_sparse_dist_pipeline_is_bit_equal_to_the_unpipelined_path(run: Path) ->
             assert torch.equal(a, b), f"rank {rank} step {step + 1}: {a} != {b}"
         # Validation in between (every 20 steps, across epochs) sees the same model.
         assert len(plain[rank]["val"]) == 3 and plain[rank]["val"] == piped[rank]["val"]
-        # Tables, dense weights: identical at the end.
+        # Tables, dense weights: identical at the end; so are predictions (eval pipeline).
         assert_same(plain[rank]["state"], piped[rank]["state"], f"rank{rank}")
+        assert len(plain[rank]["preds"]) == 2
+        assert_same(plain[rank]["preds"], piped[rank]["preds"], f"rank{rank}/preds")
 
 
 def test_the_pipeline_really_pipelines_the_sharded_tables(run: Path) -> None:
     for r in load_ranks(run, "sparse_dist"):
         assert r["pipelined"] == 1  # the DLRM's sharded EmbeddingBagCollection
         assert r["unpipelined"] == []
+        assert r["eval_pipelined"] == 1  # validation and predict ran through a pipeline too
 
 
 def test_pipeline_refuses_gradient_accumulation_and_unknown_names() -> None:

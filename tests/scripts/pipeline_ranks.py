@@ -2,8 +2,9 @@
 
 ``python pipeline_ranks.py OUT``: the same model, data and seed trained with
 ``TorchRecStrategy(pipeline=None)`` and ``pipeline="sparse_dist"`` for ``STEPS`` steps with
-validation every ``VAL_EVERY`` steps; each rank writes ``{pipeline}_rank{r}.pt`` with every
-step's loss, the validation losses and its local state at the end.
+validation every ``VAL_EVERY`` steps, then predict the validation batches; each rank writes
+``{pipeline}_rank{r}.pt`` with every step's loss, the validation losses, the predictions and its
+local state at the end.
 """
 
 from __future__ import annotations
@@ -54,12 +55,16 @@ def run(pipeline: str | None) -> None:
         **QUIET,
     )
     trainer.fit(model, datamodule=data)
+    preds = trainer.predict(model, dataloaders=data.val_dataloader())
+    evaluating = strategy._eval_pipeline
     torch.save(
         {
             "train": losses.train,
             "val": losses.val,
             "state": local_view(model.state_dict()),
             "steps": trainer.global_step,
+            "preds": preds,
+            "eval_pipelined": len(pipelined_modules(evaluating._pipeline)) if evaluating else 0,
             "unpipelined": strategy._pipeline.unpipelined() if strategy._pipeline else None,
             "pipelined": len(pipelined_modules(strategy._pipeline._pipeline))
             if strategy._pipeline
