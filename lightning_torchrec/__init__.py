@@ -11,7 +11,7 @@ from lightning_torchrec.callbacks import (
     PreemptionCheckpoint,
     WeightNormCallback,
 )
-from lightning_torchrec.checkpoint import is_sharded_checkpoint
+from lightning_torchrec.checkpoint import is_sharded_checkpoint, load_unsharded
 from lightning_torchrec.compat import filter_upstream_warnings
 from lightning_torchrec.consolidate import consolidate, load_plain_weights
 from lightning_torchrec.data import Batch, SyntheticClickData
@@ -19,12 +19,16 @@ from lightning_torchrec.dlrm import DLRMClickModule
 from lightning_torchrec.ebc_norms import log_ebc_norms
 from lightning_torchrec.errors import (
     BatchValidationError,
+    CheckpointCorruptError,
     CheckpointMismatchError,
+    CheckpointWriteError,
     NonFiniteCheckpointError,
     NonFiniteLossError,
     PeerFailureError,
     Preempted,
     RankFailureError,
+    UnevenDataError,
+    UnsafeCheckpointError,
 )
 from lightning_torchrec.layout import log_sharded_tensor_content
 from lightning_torchrec.model_and_loss import ModelAndLoss, weighted_bce_with_logits
@@ -48,7 +52,9 @@ __version__ = "0.1.0"
 __all__ = [
     "Batch",
     "BatchValidationError",
+    "CheckpointCorruptError",
     "CheckpointMismatchError",
+    "CheckpointWriteError",
     "DLRMClickModule",
     "DenseAndFusedOptimizer",
     "EmbeddingNormCallback",
@@ -63,6 +69,8 @@ __all__ = [
     "SyntheticClickData",
     "TorchRecModule",
     "TorchRecStrategy",
+    "UnevenDataError",
+    "UnsafeCheckpointError",
     "WeightNormCallback",
     "combine_optimizers",
     "consolidate",
@@ -70,6 +78,7 @@ __all__ = [
     "embedding_tables",
     "is_sharded_checkpoint",
     "load_plain_weights",
+    "load_unsharded",
     "log_ebc_norms",
     "log_sharded_tensor_content",
     "maybe_shard_model",

@@ -7,7 +7,11 @@
   tensor at a time (:func:`read_plain`); any other suffix is written with ``torch.save`` and holds
   the whole state dict in memory once.
 - :func:`load_plain_weights` initialises a sharded model from such a file (or a dict): each rank
-  copies only its own shards.
+  copies only its own shards. An unsharded model's tables on the meta device are materialised.
+
+Every file of the checkpoint is checked against the checksums written with it, and nothing in it
+is unpickled unsafely (see :mod:`lightning_torchrec.checkpoint_files`). To get a ready model rather
+than a file, use :func:`lightning_torchrec.checkpoint.load_unsharded`.
 
 Command line::
 
@@ -19,18 +23,31 @@ from __future__ import annotations
 import argparse
 import json
 import struct
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightning_torchrec.checkpoint import MODEL_KEY, is_sharded_checkpoint
+from lightning_torchrec.checkpoint import (
+    iter_plain_tensors,
+    meta_tensors,
+    plain_tensor_index,
+)
+from lightning_torchrec.errors import (
+    CheckpointCorruptError,
+    CheckpointMismatchError,
+    UnsafeCheckpointError,
+)
 from lightning_torchrec.layout import copy_into_shards, global_shape
+
+__all__ = [
+    "consolidate",
+    "iter_plain_tensors",
+    "load_plain_weights",
+    "main",
+    "read_plain",
+]
 
 _DTYPES = {
     torch.float64: "F64",
@@ -47,43 +64,6 @@ _DTYPES = {
 _FROM_NAME = {v: k for k, v in _DTYPES.items()}
 
 
-def _model_entries(checkpoint: Path) -> dict[str, TensorStorageMetadata]:
-    if not is_sharded_checkpoint(checkpoint):
-        raise FileNotFoundError(f"{checkpoint} is not a complete sharded checkpoint directory")
-    stored = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
-    prefix = MODEL_KEY + "."
-    return {
-        k[len(prefix) :]: v
-        for k, v in sorted(stored.items())
-        if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)
-    }
-
-
-def iter_plain_tensors(checkpoint: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields the unsharded model's tensors one at a time from a sharded checkpoint.
-
-    Runs in one process without a process group; only the tensor being yielded is in memory.
-
-    Args:
-        checkpoint: a sharded checkpoint directory.
-
-    Yields:
-        ``(state-dict key, plain tensor)`` pairs in key order.
-
-    Raises:
-        FileNotFoundError: if ``checkpoint`` is not a complete sharded checkpoint.
-    """
-    checkpoint = Path(checkpoint)
-    reader = dcp.FileSystemReader(str(checkpoint))
-    for key, meta in _model_entries(checkpoint).items():
-        tensor = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-        with warnings.catch_warnings():
-            # DCP warns on every single-process load, even when asked for one (no_dist=True).
-            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            dcp.load({MODEL_KEY: {key: tensor}}, storage_reader=reader, no_dist=True)
-        yield key, tensor
-
-
 def consolidate(checkpoint: str | Path, output: str | Path) -> Path:
     """Writes the plain (unsharded) model state dict of a sharded checkpoint to one file.
 
@@ -97,16 +77,19 @@ def consolidate(checkpoint: str | Path, output: str | Path) -> Path:
 
     Raises:
         FileNotFoundError: if ``checkpoint`` is not a complete sharded checkpoint.
+        CheckpointCorruptError: if a file of the checkpoint is damaged, truncated or missing,
+            naming it (nothing is written).
+        UnsafeCheckpointError: if the checkpoint's metadata would run code when loaded.
         ValueError: for a dtype the safetensors format cannot hold.
     """
     checkpoint, output = Path(checkpoint), Path(output)
+    entries = plain_tensor_index(checkpoint)  # verifies every file first
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(output.name + ".partial")
     if output.suffix != ".safetensors":
-        torch.save(dict(iter_plain_tensors(checkpoint)), tmp)
+        torch.save(dict(iter_plain_tensors(checkpoint, verify=False)), tmp)
         tmp.replace(output)
         return output
-    entries = _model_entries(checkpoint)
     header: dict[str, Any] = {}
     offset = 0
     for key, meta in entries.items():
@@ -125,7 +108,7 @@ def consolidate(checkpoint: str | Path, output: str | Path) -> Path:
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        for _, tensor in iter_plain_tensors(checkpoint):  # same key order as the header
+        for _, tensor in iter_plain_tensors(checkpoint, verify=False):  # header's key order
             f.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)  # no copy
     tmp.replace(output)
     return output
@@ -177,7 +160,8 @@ def load_plain_weights(
     """Initialises a (sharded) module from a plain state dict; each rank copies its shards only.
 
     Works on a ``DistributedModelParallel``-sharded module after the strategy's setup (e.g. in
-    ``LightningModule.on_fit_start``) and on an unsharded one.
+    ``LightningModule.on_fit_start``) and on an unsharded one, whose tables on the meta device
+    take the loaded tensors (materialised on the CPU).
 
     Args:
         module: the module to load into (ShardedTensor/DTensor tables or plain tensors).
@@ -189,7 +173,9 @@ def load_plain_weights(
         The keys that were loaded.
 
     Raises:
-        ValueError: on missing/unexpected keys (``strict``) or a global shape mismatch, naming them.
+        ValueError: on missing/unexpected keys (``strict``) or a global shape mismatch, naming them
+            (nothing is loaded), or when tensors of the module stay on the meta device because the
+            source lacks them (``strict=False``), naming them.
     """
     target = module.state_dict()
     if isinstance(source, dict):
@@ -212,19 +198,32 @@ def load_plain_weights(
             f"Plain weights do not fit the model: missing {missing}, unexpected {extra}, "
             f"shapes differ: {wrong}"
         )
+    on_meta = set(meta_tensors(module)) & set(keys)
     loaded = []
     for key in keys:
         if key not in shapes:
             continue
         plain = source[key] if isinstance(source, dict) else read_plain(source, [key])[key]
-        copy_into_shards({key: plain}, {key: target[key]})
+        if key in on_meta:  # an unsharded table built on the meta device: take the tensor
+            module.load_state_dict({key: plain}, strict=False, assign=True)
+        else:
+            copy_into_shards({key: plain}, {key: target[key]})
         loaded.append(key)
-    module.load_state_dict(target, strict=False)
+    module.load_state_dict({k: v for k, v in target.items() if k not in on_meta}, strict=False)
+    left = meta_tensors(module)
+    if left:
+        raise ValueError(
+            f"these tensors of the model are still on the meta device (no values; the source "
+            f"does not hold them): {left}"
+        )
     return loaded
 
 
 def main(argv: list[str] | None = None) -> None:
     """Command line entry point: ``python -m lightning_torchrec.consolidate CKPT OUT``.
+
+    Exits with status 1 and the error's message when the checkpoint is damaged, unsafe,
+    incomplete or not a sharded checkpoint.
 
     Args:
         argv: arguments (defaults to ``sys.argv[1:]``).
@@ -236,7 +235,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("checkpoint", type=Path, help="sharded checkpoint directory")
     parser.add_argument("output", type=Path, help="output file (.safetensors streams)")
     args = parser.parse_args(argv)
-    out = consolidate(args.checkpoint, args.output)
+    try:
+        out = consolidate(args.checkpoint, args.output)
+    except (
+        CheckpointCorruptError,
+        CheckpointMismatchError,
+        UnsafeCheckpointError,
+        FileNotFoundError,
+    ) as err:
+        parser.exit(1, f"error: {type(err).__name__}: {err}\n")
     print(f"wrote {out} ({out.stat().st_size} bytes)")
 
 

@@ -7,6 +7,8 @@ type, and the message says which rank found what.
 
 from __future__ import annotations
 
+import pickle
+
 
 class BatchValidationError(ValueError):
     """A batch the model cannot train on; the message names the feature, table, value, sample."""
@@ -44,8 +46,11 @@ class CheckpointCorruptError(ValueError):
     """A checkpoint file is damaged (checksum mismatch, truncated, unreadable); names the file."""
 
 
-class UnsafeCheckpointError(ValueError):
-    """A checkpoint file holds objects that could run code when loaded; names the file."""
+class UnsafeCheckpointError(pickle.UnpicklingError, ValueError):
+    """A checkpoint file holds objects that could run code when loaded; names the file.
+
+    Also a ``pickle.UnpicklingError``: what refused ``meta.pt`` files raised before.
+    """
 
 
 class CheckpointWriteError(OSError):

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from pathlib import Path
+from typing import IO, Any
 
 import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torchmetrics.classification import BinaryAUROC
 
+from lightning_torchrec.checkpoint import load_unsharded
 from lightning_torchrec.model_and_loss import ModelAndLoss
 from lightning_torchrec.optim import combine_optimizers, dense_parameters
 
@@ -55,6 +58,58 @@ class TorchRecModule(L.LightningModule):
         self.lr_scheduler_interval = lr_scheduler_interval
         self.val_auroc = BinaryAUROC()
         self.test_auroc = BinaryAUROC()
+
+    @classmethod
+    def load_from_checkpoint(
+        cls,
+        checkpoint_path: str | os.PathLike[str] | IO[bytes],
+        map_location: Any = None,
+        hparams_file: str | os.PathLike[str] | None = None,
+        strict: bool | None = None,
+        weights_only: bool | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """The model of a checkpoint: a sharded checkpoint directory or a single file.
+
+        A sharded checkpoint directory (written by ``TorchRecStrategy``) is loaded in this one
+        process by :func:`lightning_torchrec.checkpoint.load_unsharded`: the module is built
+        from the saved hyper-parameters (``kwargs`` override them), tables on the meta device
+        are materialised on the CPU, and every tensor is read one at a time, verified. Anything
+        else goes to Lightning's ``LightningModule.load_from_checkpoint``.
+
+        Args:
+            checkpoint_path: a sharded checkpoint directory, or what Lightning accepts.
+            map_location: for a directory: a device to move the model to (default CPU).
+            hparams_file: Lightning's argument; not supported for a directory.
+            strict: raise when the checkpoint and the model do not hold the same tensors.
+            weights_only: read the hyper-parameters with ``torch.load(weights_only=...)``.
+            **kwargs: constructor arguments overriding the saved hyper-parameters.
+
+        Returns:
+            The model (unsharded).
+
+        Raises:
+            ValueError: if ``hparams_file`` is given with a checkpoint directory.
+        """
+        if isinstance(checkpoint_path, str | os.PathLike) and Path(checkpoint_path).is_dir():
+            if hparams_file is not None:
+                raise ValueError(
+                    "hparams_file is not supported for a sharded checkpoint directory; pass the "
+                    "constructor arguments as keyword arguments instead"
+                )
+            model = load_unsharded(
+                checkpoint_path,
+                cls,
+                strict=strict is not False,
+                weights_only=weights_only is not False,
+                **kwargs,
+            )
+            if isinstance(map_location, str | torch.device):
+                model = model.to(map_location)
+            return model
+        return super().load_from_checkpoint(
+            checkpoint_path, map_location, hparams_file, strict, weights_only, **kwargs
+        )
 
     def forward(self, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
         """Runs ``ModelAndLoss`` on a batch.
