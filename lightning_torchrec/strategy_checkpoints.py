@@ -22,8 +22,9 @@ class ShardedCheckpointing:
     """Mixin for a Lightning strategy over a sharded LightningModule (``TorchRecStrategy``).
 
     The strategy provides ``lightning_module``, ``optimizers``, ``broadcast``,
-    ``is_global_zero``, ``check_finite_checkpoints``, ``load_optimizer_states`` and
-    ``_push_fused_lr``.
+    ``is_global_zero``, ``check_finite_checkpoints``, ``load_optimizer_states``,
+    ``_push_fused_lr`` and ``_collective`` (runs a collective, turning a dead peer's error into
+    ``PeerFailureError``).
     """
 
     lightning_module: Any
@@ -33,6 +34,7 @@ class ShardedCheckpointing:
     load_optimizer_states: bool
     broadcast: Any
     _push_fused_lr: Any
+    _collective: Any
 
     @property
     @override
@@ -61,7 +63,7 @@ class ShardedCheckpointing:
     ) -> None:
         if storage_options is not None:
             raise TypeError("TorchRecStrategy.save_checkpoint does not take storage_options")
-        path = Path(self.broadcast(str(filepath)))
+        path = Path(self._collective(self.broadcast, str(filepath)))
         checkpoint = dict(checkpoint)
         model_state = checkpoint.pop("state_dict", None)
         has_optim = bool(checkpoint.pop("optimizer_states", None))
@@ -80,7 +82,7 @@ class ShardedCheckpointing:
     def load_checkpoint(
         self, checkpoint_path: Any, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        path = Path(self.broadcast(str(checkpoint_path)))
+        path = Path(self._collective(self.broadcast, str(checkpoint_path)))
         assert self.lightning_module is not None
         optimizers = [keyed_optimizer(o) for o in self.optimizers]
         meta = load_sharded(
