@@ -39,6 +39,13 @@ def test_sparse_dist_pipeline_is_bit_equal_to_the_unpipelined_path(run: Path) ->
         assert_same(plain[rank]["preds"], piped[rank]["preds"], f"rank{rank}/preds")
 
 
+def test_sparse_dist_pipeline_is_bit_equal_to_torchrecs_own_pipelined_loop(run: Path) -> None:
+    for r in load_ranks(run, "torchrec"):
+        assert len(r["lightning"]) == len(r["torchrec"]) == 30
+        for step, (a, b) in enumerate(zip(r["lightning"], r["torchrec"], strict=True)):
+            assert torch.equal(a, b), f"step {step + 1}: Trainer {a} != TorchRec loop {b}"
+
+
 def test_the_pipeline_really_pipelines_the_sharded_tables(run: Path) -> None:
     for r in load_ranks(run, "sparse_dist"):
         assert r["pipelined"] == 1  # the DLRM's sharded EmbeddingBagCollection

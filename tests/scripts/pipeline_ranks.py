@@ -74,6 +74,63 @@ def run(pipeline: str | None) -> None:
     )
 
 
+class CopyRawWeights(Callback):
+    """Starts the Lightning model from the raw loop's weights; records each step's loss."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+        self.losses: list[torch.Tensor] = []
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        assert self.raw.copy_weights_to(pl_module) > 0
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: Any, loss: torch.Tensor) -> None:
+        self.losses.append(loss.detach().clone())
+
+
+def against_torchrec(steps: int = 30) -> None:
+    """The Trainer with ``pipeline="sparse_dist"`` against TorchRec's own pipelined loop.
+
+    The raw loop (``benchmarks.harness.RawLoop``: DMP, dense Adam + fused row-wise Adagrad,
+    ``ModelAndLoss``) is driven by ``TrainPipelineSparseDist.progress`` from the same starting
+    weights over the same batches.
+    """
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+    from benchmarks.common import ModelSize
+    from benchmarks.harness import (
+        FUSED,
+        SEED,
+        RawLoop,
+        dataset,
+        dlrm_module,
+        rank_sampler,
+        table_wise,
+    )
+
+    size = ModelSize.tiny()
+    data = dataset(size, 2 * (steps + 4))
+    data.prepare(list(rank_sampler(data, dist.get_rank(), dist.get_world_size())))
+    L.seed_everything(SEED, verbose=False)
+    raw = RawLoop(size, data)
+    copy = CopyRawWeights(raw)
+    strategy = TorchRecStrategy(
+        fused_params=FUSED, constraints=table_wise(size), pipeline="sparse_dist", log_plan=False
+    )
+    trainer = L.Trainer(strategy=strategy, devices=2, max_steps=steps, callbacks=[copy], **QUIET)
+    trainer.fit(dlrm_module(size), train_dataloaders=DataLoader(data, batch_size=None))
+    pipeline = TrainPipelineSparseDist(raw.model, raw.optimizer, torch.device("cpu"))
+    raw_losses = [pipeline.progress(raw.batches)["loss"].detach().clone() for _ in range(steps)]
+    torch.save(
+        {"lightning": copy.losses, "torchrec": raw_losses},
+        OUT / f"torchrec_rank{trainer.global_rank}.pt",
+    )
+
+
 if __name__ == "__main__":
     run(None)
     run("sparse_dist")
+    against_torchrec()
