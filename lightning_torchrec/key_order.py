@@ -7,8 +7,8 @@ its tables. A model reading ``ebc(kjt).values()`` positionally (TorchRec's DLRM 
 size, or unsharded after consolidation. :func:`keep_key_order` appends one callback to the
 awaitable every sharded EBC/EC returns (from ``output_dist`` and ``compute_and_output_dist``,
 the calls TorchRec's train pipelines make too) that restores the unsharded order: a column
-permutation of the pooled embeddings (one ``index_select``, skipped when the order already
-matches) or a re-keyed dict for an ``EmbeddingCollection``.
+permutation of the pooled embeddings (fbgemm's ``permute_pooled_embs``, one block copy per key;
+skipped when the order already matches) or a re-keyed dict for an ``EmbeddingCollection``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from fbgemm_gpu.permute_pooled_embedding_modules import PermutePooledEmbeddings
 from torch import nn
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
@@ -46,7 +47,7 @@ class KeyedTensorOrder:
 
     def __init__(self, keys: list[str]) -> None:
         self.keys = list(keys)
-        self._index: dict[tuple[tuple[str, ...], torch.device], torch.Tensor] = {}
+        self._permute: dict[tuple[tuple[str, ...], torch.device], PermutePooledEmbeddings] = {}
 
     def __call__(self, kt: KeyedTensor) -> KeyedTensor:
         """Returns ``kt`` with its keys in the target order.
@@ -63,19 +64,19 @@ class KeyedTensorOrder:
         lengths = dict(zip(keys, kt.length_per_key(), strict=True))
         values = kt.values()
         cache_key = (tuple(keys), values.device)
-        index = self._index.get(cache_key)
-        if index is None:
-            offsets = dict(zip(keys, kt.offset_per_key()[:-1], strict=True))
-            columns = [
-                torch.arange(offsets[k], offsets[k] + lengths[k], dtype=torch.long)
-                for k in self.keys
-            ]
-            index = torch.cat(columns).to(values.device)
-            self._index[cache_key] = index
+        permute = self._permute.get(cache_key)
+        if permute is None:
+            # fbgemm's pooled-embedding permutation (what TorchRec's own output dists use): one
+            # block copy per key, with its own backward.
+            position = {k: i for i, k in enumerate(keys)}
+            permute = PermutePooledEmbeddings(
+                kt.length_per_key(), [position[k] for k in self.keys], values.device
+            )
+            self._permute[cache_key] = permute
         return KeyedTensor(
             keys=self.keys,
             length_per_key=[lengths[k] for k in self.keys],
-            values=values.index_select(kt.key_dim(), index),
+            values=permute(values) if kt.key_dim() == 1 else permute(values.t()).t(),
             key_dim=kt.key_dim(),
         )
 
