@@ -31,6 +31,7 @@ from typing_extensions import override
 __all__ = [
     "ResultsOnlyLauncher",
     "ForwardOnlySparseDist",
+    "TORCH_LAYOUT_DECODER",
     "UPSTREAM_WARNINGS",
     "filter_upstream_warnings",
     "fused_kernels",
@@ -48,6 +49,12 @@ __all__ = [
     "sharded_table_views",
     "unwrap_compiled",
 ]
+
+
+#: The pickle global by which DCP's ``TensorProperties`` stores its layout: torch's private
+#: ``torch.serialization._get_layout`` (torch 1.13+ through 2.14). The safe unpickler of
+#: ``lightning_torchrec.safe_load`` maps it to a lookup among torch's layouts instead of calling it.
+TORCH_LAYOUT_DECODER = ("torch.serialization", "_get_layout")
 
 
 def local_shape_and_global_offset(
