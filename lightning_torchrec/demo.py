@@ -7,20 +7,47 @@ changed from the command line, LightningCLI style, e.g.::
         --data.num_embeddings 100000 --model.embedding_dim 32
 
 ``--print_config`` shows them all.
+
+``--data criteo --data.path DIR`` trains on Criteo click logs instead (``DIR`` holds Criteo TSV
+day files, the Kaggle ``train.txt``, or TorchRec npy days; see ``docs/data.md``), e.g. on files
+from ``scripts/make_click_files.py``::
+
+    python scripts/make_click_files.py /tmp/clicks
+    python -m lightning_torchrec.demo fit --data criteo --data.path /tmp/clicks/criteo
+
+``--data synthetic`` (the default) is the learnable synthetic data.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
-from lightning.pytorch.callbacks import LearningRateMonitor
+import lightning as L
+from lightning.pytorch.callbacks import LearningRateMonitor, ThroughputMonitor
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 
 import lightning_torchrec  # noqa: F401  (registers strategy="torchrec")
 from lightning_torchrec.callbacks import EmbeddingNormCallback, WeightNormCallback
-from lightning_torchrec.data import SyntheticClickData
+from lightning_torchrec.data import CriteoDataModule, SyntheticClickData
 from lightning_torchrec.dlrm import DLRMClickModule
+from lightning_torchrec.metrics import batch_size_of
+
+#: ``--data NAME`` choices: the data module each trains on.
+DATA_MODULES: dict[str, type[L.LightningDataModule]] = {
+    "synthetic": SyntheticClickData,
+    "criteo": CriteoDataModule,
+}
+#: Defaults for Criteo data: small tables; one pass over the training days (as TorchRec's DLRM
+#: example trains Criteo), validating halfway and at the end.
+CRITEO_DEFAULTS: dict[str, Any] = {
+    "data.num_embeddings": 1000,
+    "data.batch_size": 256,
+    "trainer.max_steps": -1,
+    "trainer.max_epochs": 1,
+    "trainer.val_check_interval": 0.5,
+}
 
 TRAINER_DEFAULTS: dict[str, Any] = {
     "accelerator": "cpu",
@@ -59,11 +86,40 @@ class DemoCLI(LightningCLI):
         parser.link_arguments(
             "data.num_dense_features", "model.num_dense_features", apply_on="instantiate"
         )
+        if self.datamodule_class is CriteoDataModule:
+            parser.set_defaults(CRITEO_DEFAULTS)
+            return
         # Tables small enough that the hidden interactions are learnt within the demo's steps;
         # raise --data.num_embeddings to see sharding of larger tables.
         parser.set_defaults(
             {"data.num_embeddings": 200, "data.ids_per_feature": 2, "data.train_batches": 4000}
         )
+
+
+def split_data_choice(args: list[str]) -> tuple[type[L.LightningDataModule], list[str]]:
+    """Takes ``--data NAME`` (or ``--data=NAME``) out of the arguments.
+
+    Args:
+        args: command-line arguments.
+
+    Returns:
+        The data module class (synthetic unless named) and the remaining arguments.
+
+    Raises:
+        SystemExit: for an unknown name.
+    """
+    rest, choice, i = [], "synthetic", 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--data" and i + 1 < len(args) and args[i + 1] in DATA_MODULES:
+            choice, i = args[i + 1], i + 2
+            continue
+        if arg.startswith("--data=") and arg.removeprefix("--data=") in DATA_MODULES:
+            choice, i = arg.removeprefix("--data="), i + 1
+            continue
+        rest.append(arg)
+        i += 1
+    return DATA_MODULES[choice], rest
 
 
 def main(args: list[str] | None = None) -> DemoCLI:
@@ -75,15 +131,19 @@ def main(args: list[str] | None = None) -> DemoCLI:
     Returns:
         The CLI, with its trainer and model.
     """
+    data_class, args = split_data_choice(sys.argv[1:] if args is None else list(args))
     cli = DemoCLI(
         DLRMClickModule,
-        SyntheticClickData,
+        data_class,
         trainer_defaults={
             **TRAINER_DEFAULTS,
             "callbacks": [
                 LearningRateMonitor("step"),
                 WeightNormCallback(),
                 EmbeddingNormCallback(),
+                # samples/s of rank 0 (train|device/samples_per_sec) and of all ranks
+                # (train|samples_per_sec: ranks get equal batches, so rank 0's times world size)
+                ThroughputMonitor(batch_size_fn=batch_size_of, window_size=20),
             ],
         },
         save_config_kwargs={"overwrite": True},
@@ -92,9 +152,19 @@ def main(args: list[str] | None = None) -> DemoCLI:
     )
     trainer = cli.trainer
     if trainer.is_global_zero and cli.subcommand == "fit":
-        auroc = trainer.callback_metrics.get("val/auroc")
-        if auroc is not None:
-            print(f"final validation AUROC: {float(auroc):.4f}")
+        metrics = trainer.callback_metrics
+        shown = {
+            name: metrics[key]
+            for name, key in (
+                ("AUROC", "val/auroc"),
+                ("NE", "val/ne"),
+                ("calibration", "val/calibration"),
+                ("AUPRC", "val/auprc"),
+            )
+            if key in metrics
+        }
+        if shown:
+            print("final validation " + ", ".join(f"{k} {float(v):.4f}" for k, v in shown.items()))
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 print(f"view the run: tensorboard --logdir {logger.save_dir}")

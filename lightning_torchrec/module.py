@@ -12,6 +12,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torchmetrics.classification import BinaryAUROC
 
 from lightning_torchrec.checkpoint import load_unsharded
+from lightning_torchrec.metrics import RecMetrics
 from lightning_torchrec.model_and_loss import ModelAndLoss
 from lightning_torchrec.optim import combine_optimizers, dense_parameters
 
@@ -32,9 +33,21 @@ class TorchRecModule(L.LightningModule):
     """A LightningModule for click models built on ``ModelAndLoss``.
 
     Trains, validates and tests; logs ``train/loss``, ``val/loss``, ``val/auroc``,
-    ``test/loss`` and ``test/auroc`` (AUROC from torchmetrics, synchronised across ranks). The
-    dense optimizer and LR schedule are arguments, so no subclass is needed; under
-    ``TorchRecStrategy`` the scheduler drives the fused embedding learning rate too.
+    ``test/loss`` and ``test/auroc`` (AUROC from torchmetrics, synchronised across ranks), and
+    the recommendation metrics of ``torchrec.metrics`` (see :mod:`lightning_torchrec.metrics`),
+    synchronised across ranks:
+
+    * ``val/ne``, ``val/calibration``, ``val/auprc`` (and ``test/...``) over the whole
+      evaluation;
+    * ``train/{ne,calibration}_{window,lifetime}`` and ``train/{auroc,auprc}_window`` every
+      ``train_metrics_every_n_steps`` steps: the window holds the last
+      ``metrics_window_size`` training samples (over all ranks), lifetime is the whole run
+      since this process started.
+
+    With several tasks (logits ``[B, T]``) every recommendation metric is logged per task, e.g.
+    ``val/ne/{task}``. The dense optimizer and LR schedule are arguments, so no subclass is
+    needed; under ``TorchRecStrategy`` the scheduler drives the fused embedding learning rate
+    too.
 
     Args:
         model_and_loss: the wrapped model and loss.
@@ -42,7 +55,14 @@ class TorchRecModule(L.LightningModule):
             excluded automatically). Defaults to Adam with lr 1e-3.
         lr_scheduler: builds an LR scheduler from the combined optimizer, or None.
         lr_scheduler_interval: ``"step"`` or ``"epoch"``.
+        task_names: one name per output column of the model (None: one task, ``click``).
+        metrics_window_size: samples (over all ranks) of the training window metrics.
+        train_metrics_every_n_steps: steps between training metric computations (a collective
+            over the ranks); None uses the trainer's ``log_every_n_steps``, 0 turns them off.
     """
+
+    #: FLOPs of one training batch for Lightning's ``ThroughputMonitor``; None: not measured.
+    flops_per_batch: int | None = None
 
     def __init__(
         self,
@@ -50,6 +70,9 @@ class TorchRecModule(L.LightningModule):
         optimizer: OptimizerCallable = default_optimizer,
         lr_scheduler: LRSchedulerCallable | None = None,
         lr_scheduler_interval: str = "step",
+        task_names: list[str] | None = None,
+        metrics_window_size: int = 100_000,
+        train_metrics_every_n_steps: int | None = None,
     ) -> None:
         super().__init__()
         self.model_and_loss = model_and_loss
@@ -58,6 +81,35 @@ class TorchRecModule(L.LightningModule):
         self.lr_scheduler_interval = lr_scheduler_interval
         self.val_auroc = BinaryAUROC()
         self.test_auroc = BinaryAUROC()
+        self.task_names = list(task_names) if task_names else ["click"]
+        self.metrics_window_size = metrics_window_size
+        self.train_metrics_every_n_steps = train_metrics_every_n_steps
+        # Plain attribute, not submodules: metric states stay out of state_dict and checkpoints.
+        self.rec_metrics: dict[str, RecMetrics] = {}
+
+    def _metrics(self, stage: str) -> RecMetrics:
+        if stage not in self.rec_metrics:
+            train = stage == "train"
+            self.rec_metrics[stage] = RecMetrics(
+                self.task_names,
+                # AUROC of an evaluation comes from torchmetrics (``{stage}/auroc``).
+                metrics=("ne", "calibration", "auroc", "auprc")
+                if train
+                else ("ne", "calibration", "auprc"),
+                # An evaluation's window holds all of its samples.
+                window_size=self.metrics_window_size if train else 2**40,
+            )
+        return self.rec_metrics[stage]
+
+    def _update_metrics(self, stage: str, outputs: dict[str, Any], labels: torch.Tensor) -> None:
+        logits = outputs["logits"].detach().float()
+        shape = labels.shape if len(self.task_names) == 1 else (-1, len(self.task_names))
+        weights = outputs.get("weights")
+        self._metrics(stage).update(
+            torch.sigmoid(logits.reshape(shape)),
+            labels.reshape(shape),
+            None if weights is None else weights.detach(),
+        )
 
     @classmethod
     def load_from_checkpoint(
@@ -132,18 +184,41 @@ class TorchRecModule(L.LightningModule):
         Returns:
             The loss.
         """
-        loss, _ = self(batch)
-        self.log("train/loss", loss, prog_bar=True, batch_size=len(batch.labels))
+        loss, outputs = self(batch)
+        n = len(batch.labels)
+        self.log("train/loss", loss, prog_bar=True, batch_size=n)
+        every = self.train_metrics_every_n_steps
+        if every is None:
+            every = self.trainer.log_every_n_steps if self._trainer is not None else 0
+        if every > 0:
+            self._update_metrics("train", outputs, batch.labels)
+            if (self.global_step + 1) % every == 0:
+                values = self._metrics("train").named("train")
+                self.log_dict(values, batch_size=n, on_step=True, on_epoch=False)
         return loss
 
     def _eval_step(self, batch: Any, stage: str, auroc: BinaryAUROC) -> torch.Tensor:
         loss, outputs = self(batch)
         probs = torch.sigmoid(outputs["logits"].detach().reshape(batch.labels.shape).float())
         auroc.update(probs, batch.labels.long())
+        self._update_metrics(stage, outputs, batch.labels)
         n = len(batch.labels)
         self.log(f"{stage}/loss", loss, sync_dist=True, batch_size=n)
         self.log(f"{stage}/auroc", auroc, prog_bar=stage == "val", batch_size=n)
         return loss
+
+    def _log_eval_metrics(self, stage: str) -> None:
+        metrics = self.rec_metrics.pop(stage, None)
+        if metrics is not None:
+            self.log_dict(metrics.named(stage, scope="lifetime"), on_step=False, on_epoch=True)
+
+    def on_validation_epoch_end(self) -> None:
+        """Logs ``val/ne``, ``val/calibration`` and ``val/auprc`` of the whole validation."""
+        self._log_eval_metrics("val")
+
+    def on_test_epoch_end(self) -> None:
+        """Logs ``test/ne``, ``test/calibration`` and ``test/auprc`` of the whole test."""
+        self._log_eval_metrics("test")
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         """Logs ``val/loss`` and ``val/auroc``.

@@ -1,0 +1,358 @@
+"""Click data from Parquet files, streamed with pyarrow: ``ParquetClickData``.
+
+Row groups are the unit of work: they are dealt round-robin to the ``world_size * num_workers``
+readers (each rank's DataLoader workers), each reader streams its row groups one at a time (the
+memory holds one row group and a partial batch) and cuts them into batches. Every reader yields
+the same number of batches (the smallest reader's count; the rest is dropped), so every rank
+gets the same number of batches per epoch. List columns become jagged ids (one bag per sample),
+integer columns one id per sample. The order is fixed (files, then row groups, as given), and a
+checkpoint written mid-epoch resumes at the next batch exactly.
+"""
+
+from __future__ import annotations
+
+import glob
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+from torch.utils.data import DataLoader
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from lightning_torchrec.data.batch import Batch
+from lightning_torchrec.data.resumable import (
+    ResumableDataLoader,
+    ResumableIterableDataset,
+    trainer_position,
+    worker_slot,
+)
+
+__all__ = ["ParquetClickData", "ParquetClickDataset", "expand_paths"]
+
+
+def expand_paths(paths: str | Sequence[str]) -> list[Path]:
+    """Parquet files from files, directories (their ``*.parquet``, sorted) and glob patterns.
+
+    Args:
+        paths: one path or pattern, or several.
+
+    Returns:
+        The files, in order.
+
+    Raises:
+        FileNotFoundError: if a path matches nothing.
+    """
+    files: list[Path] = []
+    for p in [paths] if isinstance(paths, str | Path) else paths:
+        path = Path(p)
+        if path.is_dir():
+            found = sorted(path.glob("*.parquet"))
+        elif any(c in str(p) for c in "*?["):
+            found = sorted(Path(f) for f in glob.glob(str(p)))
+        else:
+            found = [path] if path.exists() else []
+        if not found:
+            raise FileNotFoundError(f"no Parquet files at {p}")
+        files.extend(found)
+    return files
+
+
+def _is_number(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
+
+
+def _is_ids(t: pa.DataType) -> bool:
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return pa.types.is_integer(t.value_type)
+    return pa.types.is_integer(t)
+
+
+def _check_schema(
+    path: Path,
+    schema: pa.Schema,
+    dense: Sequence[str],
+    sparse: Sequence[str],
+    label: str,
+    weight: str | None,
+) -> None:
+    names = set(schema.names)
+    wanted = [(c, "dense") for c in dense] + [(c, "sparse") for c in sparse] + [(label, "label")]
+    wanted += [(weight, "weight")] if weight is not None else []
+    for column, role in wanted:
+        if column not in names:
+            raise ValueError(
+                f"{path}: {role} column {column!r} is missing (columns: {sorted(names)})"
+            )
+        t = schema.field(column).type
+        ok = _is_ids(t) if role == "sparse" else _is_number(t)
+        if not ok:
+            expected = "a list of integer ids or an integer id" if role == "sparse" else "a number"
+            raise ValueError(f"{path}: {role} column {column!r} must be {expected}, got {t}")
+
+
+def _ids(array: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    """(values int64, lengths int32) of a list or integer column; null lists are empty."""
+    arr = array.combine_chunks()
+    if pa.types.is_integer(arr.type):
+        return pc.fill_null(arr, 0).to_numpy().astype(np.int64), np.ones(len(arr), np.int32)
+    lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy().astype(np.int32)
+    values = pc.fill_null(arr.flatten(), 0).to_numpy().astype(np.int64)
+    return values, lengths
+
+
+def _number(array: pa.ChunkedArray) -> np.ndarray:
+    return pc.fill_null(array.cast(pa.float32()), 0.0).to_numpy()
+
+
+class ParquetClickDataset(ResumableIterableDataset):
+    """Batches of click samples streamed from Parquet row groups (see the module docstring).
+
+    Args:
+        paths: Parquet files, directories or glob patterns.
+        dense_columns: numeric columns, in order, forming ``dense_features``.
+        sparse_columns: id columns (lists of integers, or integers), one sparse feature each.
+        label_column: the 0/1 label column.
+        weight_column: a sample-weight column, or None.
+        batch_size: samples per batch.
+        rank: this process's rank.
+        world_size: the number of ranks.
+        num_workers: the DataLoader workers that will iterate this dataset.
+        feature_names: the KJT keys of the sparse columns (default: the column names).
+        num_embeddings_per_feature: ids are taken modulo these table sizes (None: as stored).
+
+    Raises:
+        ValueError: naming the file and column, for a missing column or one of the wrong type,
+            or when the files have fewer rows than one batch per reader.
+    """
+
+    def __init__(
+        self,
+        paths: str | Sequence[str],
+        dense_columns: Sequence[str],
+        sparse_columns: Sequence[str],
+        label_column: str,
+        weight_column: str | None = None,
+        batch_size: int = 512,
+        rank: int = 0,
+        world_size: int = 1,
+        num_workers: int = 0,
+        feature_names: Sequence[str] | None = None,
+        num_embeddings_per_feature: Sequence[int] | None = None,
+    ) -> None:
+        self.files = expand_paths(paths)
+        self.dense_columns = list(dense_columns)
+        self.sparse_columns = list(sparse_columns)
+        self.label_column = label_column
+        self.weight_column = weight_column
+        self.feature_names = list(feature_names or sparse_columns)
+        if len(self.feature_names) != len(self.sparse_columns):
+            raise ValueError("feature_names needs one name per sparse column")
+        self.hashes = (
+            None if num_embeddings_per_feature is None else list(num_embeddings_per_feature)
+        )
+        if self.hashes is not None and len(self.hashes) != len(self.sparse_columns):
+            raise ValueError("num_embeddings_per_feature needs one size per sparse column")
+        self.batch_size = batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.num_slots = max(num_workers, 1)
+        self.row_groups: list[tuple[int, int, int]] = []  # (file, row group, rows)
+        for i, path in enumerate(self.files):
+            meta = pq.read_metadata(path)
+            _check_schema(
+                path,
+                meta.schema.to_arrow_schema(),
+                self.dense_columns,
+                self.sparse_columns,
+                label_column,
+                weight_column,
+            )
+            self.row_groups += [
+                (i, g, meta.row_group(g).num_rows) for g in range(meta.num_row_groups)
+            ]
+        readers = world_size * self.num_slots
+        rows = [sum(r for *_, r in self.row_groups[s::readers]) for s in range(readers)]
+        self.batches_per_slot = min(rows) // batch_size
+        if self.batches_per_slot == 0:
+            raise ValueError(
+                f"{len(self.row_groups)} row groups ({sum(rows)} rows) give a reader of "
+                f"{world_size} ranks x {self.num_slots} workers fewer than {batch_size} rows: "
+                "write smaller row groups, or use a smaller batch or fewer workers"
+            )
+
+    def __len__(self) -> int:
+        return self.batches_per_slot * self.num_slots
+
+    def columns(self) -> list[str]:
+        """The columns read.
+
+        Returns:
+            Dense, sparse, label and weight columns.
+        """
+        extra = [self.weight_column] if self.weight_column else []
+        return self.dense_columns + self.sparse_columns + [self.label_column] + extra
+
+    def to_batch(self, table: pa.Table) -> Batch:
+        """Converts rows (a table with :meth:`columns`) to a batch.
+
+        Args:
+            table: the rows.
+
+        Returns:
+            The batch.
+        """
+        dense = np.stack([_number(table.column(c)) for c in self.dense_columns], axis=1)
+        values, lengths = [], []
+        for f, column in enumerate(self.sparse_columns):
+            v, n = _ids(table.column(column))
+            values.append(v if self.hashes is None else v % self.hashes[f])
+            lengths.append(n)
+        weights = None
+        if self.weight_column is not None:
+            weights = torch.from_numpy(_number(table.column(self.weight_column)))
+        return Batch(
+            dense_features=torch.from_numpy(dense),
+            sparse_features=KeyedJaggedTensor.from_lengths_sync(
+                keys=self.feature_names,
+                values=torch.from_numpy(np.concatenate(values)),
+                lengths=torch.from_numpy(np.concatenate(lengths)),
+            ),
+            labels=torch.from_numpy(_number(table.column(self.label_column))),
+            weights=weights,
+        )
+
+    def __iter__(self) -> Iterator[Batch]:
+        slot, num_slots, skip = worker_slot(self.start_batch)
+        if num_slots != self.num_slots:
+            raise RuntimeError(
+                f"dataset built for {self.num_slots} readers per rank, iterated by {num_slots}: "
+                "pass the DataLoader's num_workers to the dataset"
+            )
+        reader = self.rank * num_slots + slot
+        groups = self.row_groups[reader :: self.world_size * num_slots]
+        to_skip = skip * self.batch_size  # rows already trained on
+        produced = skip
+        pending: pa.Table | None = None
+        opened: dict[int, pq.ParquetFile] = {}
+        for file_index, group, rows in groups:
+            if produced >= self.batches_per_slot:
+                break
+            if to_skip >= rows:  # never read a row group the resumed run skips whole
+                to_skip -= rows
+                continue
+            if file_index not in opened:
+                opened.clear()
+                opened[file_index] = pq.ParquetFile(self.files[file_index])
+            table = opened[file_index].read_row_group(group, columns=self.columns())
+            if to_skip:
+                table, to_skip = table.slice(to_skip), 0
+            pending = table if pending is None else pa.concat_tables([pending, table])
+            while pending.num_rows >= self.batch_size and produced < self.batches_per_slot:
+                yield self.to_batch(pending.slice(0, self.batch_size))
+                pending = pending.slice(self.batch_size)
+                produced += 1
+
+
+class ParquetClickData(L.LightningDataModule):
+    """Lightning data module of click data in Parquet files (see :class:`ParquetClickDataset`).
+
+    Args:
+        paths: training files, directories or glob patterns.
+        dense_columns: numeric columns forming ``dense_features``.
+        sparse_columns: id columns (lists of integers, or integers), one sparse feature each.
+        label_column: the 0/1 label column.
+        weight_column: a sample-weight column, or None.
+        val_paths: validation files (None: no validation).
+        test_paths: test files (None: no test).
+        batch_size: samples per batch on each rank.
+        num_workers: DataLoader workers per rank.
+        feature_names: KJT keys of the sparse columns (default: the column names).
+        num_embeddings_per_feature: table sizes; ids are taken modulo these (None: as stored;
+            then the model's tables must cover the largest id).
+    """
+
+    def __init__(
+        self,
+        paths: str | list[str],
+        dense_columns: list[str],
+        sparse_columns: list[str],
+        label_column: str,
+        weight_column: str | None = None,
+        val_paths: str | list[str] | None = None,
+        test_paths: str | list[str] | None = None,
+        batch_size: int = 512,
+        num_workers: int = 0,
+        feature_names: list[str] | None = None,
+        num_embeddings_per_feature: list[int] | None = None,
+    ) -> None:
+        super().__init__()
+        self.paths = {"train": paths, "val": val_paths, "test": test_paths}
+        self.dense_columns = list(dense_columns)
+        self.sparse_columns = list(sparse_columns)
+        self.label_column = label_column
+        self.weight_column = weight_column
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.feature_names = list(feature_names or sparse_columns)
+        self.num_embeddings_per_feature = num_embeddings_per_feature
+        self.num_dense_features = len(self.dense_columns)
+        # Checks every training file's columns now, not at the first batch.
+        self.dataset("train")
+
+    def dataset(self, stage: str, num_workers: int = 0) -> ParquetClickDataset:
+        """The dataset of one stage on this rank.
+
+        Args:
+            stage: ``train``, ``val`` or ``test``.
+            num_workers: the workers that will read it.
+
+        Returns:
+            The dataset.
+
+        Raises:
+            ValueError: if the stage has no paths.
+        """
+        paths = self.paths[stage]
+        if paths is None:
+            raise ValueError(f"ParquetClickData has no paths for stage {stage!r}")
+        trainer = self.trainer
+        rank, world = (0, 1) if trainer is None else (trainer.global_rank, trainer.world_size)
+        return ParquetClickDataset(
+            paths,
+            self.dense_columns,
+            self.sparse_columns,
+            self.label_column,
+            self.weight_column,
+            batch_size=self.batch_size,
+            rank=rank,
+            world_size=world,
+            num_workers=num_workers,
+            feature_names=self.feature_names,
+            num_embeddings_per_feature=self.num_embeddings_per_feature,
+        )
+
+    def _position(self) -> int | None:
+        return trainer_position(self.trainer)
+
+    def train_dataloader(self) -> ResumableDataLoader:
+        """Training batches; the position within the epoch is saved in checkpoints."""
+        return ResumableDataLoader(
+            self.dataset("train", self.num_workers),
+            position=self._position,
+            num_workers=self.num_workers,
+        )
+
+    def val_dataloader(self) -> DataLoader[Batch]:
+        """Validation batches (``val_paths``)."""
+        return DataLoader(self.dataset("val", self.num_workers), None, num_workers=self.num_workers)
+
+    def test_dataloader(self) -> DataLoader[Batch]:
+        """Test batches (``test_paths``)."""
+        return DataLoader(
+            self.dataset("test", self.num_workers), None, num_workers=self.num_workers
+        )
