@@ -33,6 +33,8 @@ BENCHMARKS = [
     "checkpoint_cost",
     "planner_scale",
     "pipeline_throughput",
+    "data_loading",
+    "export_cost",
 ]
 
 

@@ -20,6 +20,10 @@ TESTS=(
     tests/test_callbacks_multiprocess.py
     tests/test_faults_multiprocess.py
     tests/test_strategy.py
+    tests/test_trust_training.py
+    tests/test_trust_checkpoint.py
+    tests/test_pipeline.py
+    tests/test_key_order.py
 )
 
 # name: torch fbgemm-gpu-cpu torchrec [extra requirement files for the torchrec step]

@@ -12,8 +12,9 @@ from lightning.pytorch.plugins.precision import (
     MixedPrecision,
     Precision,
 )
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.distributed.planner.types import Topology
+from torchrec.distributed.planner.types import ParameterConstraints, Topology
 from torchrec.distributed.types import (
     EmbeddingModuleShardingPlan,
     ParameterSharding,
@@ -210,3 +211,59 @@ def test_materialized_tables_are_warned_about_with_their_size() -> None:
 def test_no_materialized_tables_no_warning(recwarn: pytest.WarningsRecorder) -> None:
     warn_materialized({})
     assert not recwarn.list
+
+
+def _ec_model() -> torch.nn.Module:
+    from torchrec import EmbeddingCollection
+    from torchrec.modules.embedding_configs import EmbeddingConfig
+
+    class Seq(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ec = EmbeddingCollection(
+                tables=[
+                    EmbeddingConfig(
+                        name="seq", embedding_dim=4, num_embeddings=10, feature_names=["s"]
+                    )
+                ],
+                device=torch.device("meta"),
+            )
+            self.ebc = EmbeddingBagCollection(
+                tables=[
+                    EmbeddingBagConfig(
+                        name="bag", embedding_dim=4, num_embeddings=10, feature_names=["b"]
+                    )
+                ],
+                device=torch.device("meta"),
+            )
+
+    return Seq()
+
+
+def test_cpu_planning_offers_only_what_each_table_can_run() -> None:
+    from lightning_torchrec.setup_checks import device_constraints
+
+    model = _ec_model()
+    out = device_constraints(model, None, "cpu")
+    assert out is not None
+    assert out["seq"].sharding_types == ["table_wise", "column_wise", "table_column_wise"]
+    assert "data_parallel" in out["bag"].sharding_types
+    assert "row_wise" not in out["bag"].sharding_types
+    mine = {"bag": ParameterConstraints(sharding_types=["row_wise", "table_wise"])}
+    assert device_constraints(model, mine, "cpu")["bag"].sharding_types == ["table_wise"]
+    assert device_constraints(model, mine, "cuda") is mine
+    with pytest.raises(ValueError, match=r"'seq'.*cannot run on CPU"):
+        device_constraints(
+            model, {"seq": ParameterConstraints(sharding_types=["data_parallel"])}, "cpu"
+        )
+
+
+def test_an_explicit_data_parallel_embedding_collection_plan_is_refused_on_cpu() -> None:
+    model = _ec_model()
+    data_parallel = ParameterSharding(
+        sharding_type="data_parallel", compute_kernel="dense", ranks=[0]
+    )
+    plan = ShardingPlan({"ec": EmbeddingModuleShardingPlan({"seq": data_parallel})})
+    with pytest.raises(ValueError, match=r"'seq' of module 'ec' \(an EmbeddingCollection table\)"):
+        check_plan(plan, 1, "cpu", model)
+    check_plan(plan, 1, "cuda", model)  # the refusal is about CPU

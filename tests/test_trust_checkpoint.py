@@ -32,9 +32,9 @@ from lightning_torchrec.checkpoint import (
     save_sharded,
 )
 from lightning_torchrec.checkpoint_files import MANIFEST_FILE, old_path
-from lightning_torchrec.safe_load import read_dcp_metadata
 from lightning_torchrec.consolidate import consolidate, load_plain_weights, read_plain
 from lightning_torchrec.errors import CheckpointCorruptError, UnsafeCheckpointError
+from lightning_torchrec.safe_load import read_dcp_metadata
 from tests.helpers import ROOT, clean_env, load_ranks, run_script
 from tests.scripts.factory import WIDE, tiny_data, tiny_dlrm
 
