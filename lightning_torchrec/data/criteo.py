@@ -29,10 +29,8 @@ import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
 from torchrec.datasets.criteo import (
     CAT_FEATURE_COUNT,
     DEFAULT_CAT_NAMES,
@@ -52,9 +50,8 @@ from lightning_torchrec.data.criteo_files import (
     preprocess,
 )
 from lightning_torchrec.data.resumable import (
-    ResumableDataLoader,
+    ResumableDataModule,
     ResumableIterableDataset,
-    trainer_position,
     worker_slot,
 )
 
@@ -158,7 +155,7 @@ class CriteoIterableDataset(ResumableIterableDataset):
                 )
 
 
-class CriteoDataModule(L.LightningDataModule):
+class CriteoDataModule(ResumableDataModule):
     """Criteo click logs (TSV day files, Kaggle ``train.txt``, or TorchRec npy days).
 
     ``path`` holds either TorchRec npy days (``day_{i}_{dense,sparse,labels}.npy``) or Criteo
@@ -244,10 +241,6 @@ class CriteoDataModule(L.LightningDataModule):
             )
         return days
 
-    def _rank(self) -> tuple[int, int]:
-        trainer = self.trainer
-        return (0, 1) if trainer is None else (trainer.global_rank, trainer.world_size)
-
     def dataset(self, stage: str, num_workers: int = 0) -> CriteoIterableDataset:
         """The dataset of one stage on this rank.
 
@@ -259,7 +252,7 @@ class CriteoDataModule(L.LightningDataModule):
             The dataset.
         """
         days = self._days()
-        rank, world = self._rank()
+        rank, world = self.rank_and_world()
         return CriteoIterableDataset(
             stage,
             days[:-1] if stage == "train" else days[-1:],
@@ -268,27 +261,6 @@ class CriteoDataModule(L.LightningDataModule):
             world_size=world,
             num_workers=num_workers,
             num_embeddings_per_feature=self.num_embeddings_per_feature,
-        )
-
-    def _position(self) -> int | None:
-        return trainer_position(self.trainer)
-
-    def train_dataloader(self) -> ResumableDataLoader:
-        """Training batches; the position within the epoch is saved in checkpoints."""
-        return ResumableDataLoader(
-            self.dataset("train", self.num_workers),
-            position=self._position,
-            num_workers=self.num_workers,
-        )
-
-    def val_dataloader(self) -> DataLoader[Batch]:
-        """Validation batches (first half of the last day)."""
-        return DataLoader(self.dataset("val", self.num_workers), None, num_workers=self.num_workers)
-
-    def test_dataloader(self) -> DataLoader[Batch]:
-        """Test batches (second half of the last day)."""
-        return DataLoader(
-            self.dataset("test", self.num_workers), None, num_workers=self.num_workers
         )
 
 

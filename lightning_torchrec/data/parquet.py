@@ -15,20 +15,17 @@ import glob
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-import lightning as L
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
-from torch.utils.data import DataLoader
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_torchrec.data.batch import Batch
 from lightning_torchrec.data.resumable import (
-    ResumableDataLoader,
+    ResumableDataModule,
     ResumableIterableDataset,
-    trainer_position,
     worker_slot,
 )
 
@@ -258,7 +255,7 @@ class ParquetClickDataset(ResumableIterableDataset):
                 produced += 1
 
 
-class ParquetClickData(L.LightningDataModule):
+class ParquetClickData(ResumableDataModule):
     """Lightning data module of click data in Parquet files (see :class:`ParquetClickDataset`).
 
     Args:
@@ -320,8 +317,7 @@ class ParquetClickData(L.LightningDataModule):
         paths = self.paths[stage]
         if paths is None:
             raise ValueError(f"ParquetClickData has no paths for stage {stage!r}")
-        trainer = self.trainer
-        rank, world = (0, 1) if trainer is None else (trainer.global_rank, trainer.world_size)
+        rank, world = self.rank_and_world()
         return ParquetClickDataset(
             paths,
             self.dense_columns,
@@ -334,25 +330,4 @@ class ParquetClickData(L.LightningDataModule):
             num_workers=num_workers,
             feature_names=self.feature_names,
             num_embeddings_per_feature=self.num_embeddings_per_feature,
-        )
-
-    def _position(self) -> int | None:
-        return trainer_position(self.trainer)
-
-    def train_dataloader(self) -> ResumableDataLoader:
-        """Training batches; the position within the epoch is saved in checkpoints."""
-        return ResumableDataLoader(
-            self.dataset("train", self.num_workers),
-            position=self._position,
-            num_workers=self.num_workers,
-        )
-
-    def val_dataloader(self) -> DataLoader[Batch]:
-        """Validation batches (``val_paths``)."""
-        return DataLoader(self.dataset("val", self.num_workers), None, num_workers=self.num_workers)
-
-    def test_dataloader(self) -> DataLoader[Batch]:
-        """Test batches (``test_paths``)."""
-        return DataLoader(
-            self.dataset("test", self.num_workers), None, num_workers=self.num_workers
         )

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import lightning as L
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 
@@ -158,3 +159,56 @@ class ResumableDataLoader(DataLoader):
         """
         start = int(state.get("start_batch", 0))
         self.skip_next = start if 0 < start < len(self) else 0
+
+
+class ResumableDataModule(L.LightningDataModule):
+    """The loaders the file-backed data modules share; subclasses define :meth:`dataset`.
+
+    Training batches come from a :class:`ResumableDataLoader` (the position within the epoch is
+    saved in checkpoints); validation and test batches from plain loaders. Every loader reads
+    whole batches (``batch_size=None``) with ``num_workers`` workers.
+    """
+
+    num_workers: int = 0
+
+    def dataset(self, stage: str, num_workers: int = 0) -> IterableDataset:
+        """The dataset of one stage on this rank.
+
+        Args:
+            stage: ``train``, ``val`` or ``test``.
+            num_workers: the workers that will read it.
+
+        Returns:
+            The dataset.
+
+        Raises:
+            NotImplementedError: in this base class.
+        """
+        raise NotImplementedError
+
+    def rank_and_world(self) -> tuple[int, int]:
+        """This rank and the world size (``(0, 1)`` before a Trainer is attached).
+
+        Returns:
+            ``(rank, world_size)``.
+        """
+        trainer = self.trainer
+        return (0, 1) if trainer is None else (trainer.global_rank, trainer.world_size)
+
+    def train_dataloader(self) -> ResumableDataLoader:
+        """Training batches; the position within the epoch is saved in checkpoints."""
+        return ResumableDataLoader(
+            self.dataset("train", self.num_workers),
+            position=lambda: trainer_position(self.trainer),
+            num_workers=self.num_workers,
+        )
+
+    def val_dataloader(self) -> DataLoader[Any]:
+        """Validation batches."""
+        return DataLoader(self.dataset("val", self.num_workers), None, num_workers=self.num_workers)
+
+    def test_dataloader(self) -> DataLoader[Any]:
+        """Test batches."""
+        return DataLoader(
+            self.dataset("test", self.num_workers), None, num_workers=self.num_workers
+        )
