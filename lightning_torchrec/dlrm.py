@@ -60,6 +60,9 @@ class DLRMClickModule(TorchRecModule):
         embedding_init_scale: rows start uniform in ``[-s, s]`` (None: TorchRec's default).
         optimizer: builds the dense optimizer.
         lr_scheduler: builds the LR scheduler (drives the fused embedding LR too), or None.
+        metrics_window_size: samples (over all ranks) of the training window metrics.
+        train_metrics_every_n_steps: steps between training metric computations; None follows
+            ``log_every_n_steps``, 0 turns training metrics off (see ``TorchRecModule``).
 
     Raises:
         ValueError: if the layer sizes do not fit DLRM's shape rules.
@@ -76,6 +79,8 @@ class DLRMClickModule(TorchRecModule):
         embedding_init_scale: float | None = 0.1,
         optimizer: OptimizerCallable = default_optimizer,
         lr_scheduler: LRSchedulerCallable | None = None,
+        metrics_window_size: int = 100_000,
+        train_metrics_every_n_steps: int | None = None,
     ) -> None:
         dense_sizes = dense_arch_layer_sizes or [64, embedding_dim]
         over_sizes = over_arch_layer_sizes or [64, 1]
@@ -98,5 +103,11 @@ class DLRMClickModule(TorchRecModule):
             dense_arch_layer_sizes=dense_sizes,
             over_arch_layer_sizes=over_sizes,
         )
-        super().__init__(ModelAndLoss(dlrm), optimizer=optimizer, lr_scheduler=lr_scheduler)
+        super().__init__(
+            ModelAndLoss(dlrm),
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            metrics_window_size=metrics_window_size,
+            train_metrics_every_n_steps=train_metrics_every_n_steps,
+        )
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
