@@ -380,6 +380,8 @@ class TorchRecStrategy(ShardedCheckpointing, DDPStrategy):
     def on_train_end(self) -> None:
         # The last step's loss has no next step to be judged at.
         self._collective(self._guard.flush)
+        if self._pipeline is not None:
+            self._pipeline.detach()  # a later fit, validate or predict runs the own forwards
 
     # ------------------------------------------------------------------ data
     @override
