@@ -44,6 +44,28 @@ def rank_and_world_size() -> tuple[int, int]:
     return 0, 1
 
 
+#: A gloo group over every rank for the votes of :func:`agree` when the default backend is not
+#: gloo (NCCL): votes are host integers, so deciding them never synchronises the GPU.
+_HOST_GROUP: Any = None
+
+
+def use_host_group(group: Any) -> None:
+    """Makes :func:`agree`, :func:`ranks_where` and :func:`all_gather` use ``group`` on the CPU.
+
+    Args:
+        group: a gloo process group over every rank (``dist.new_group(backend="gloo")``), or
+            None for the default group on :func:`collective_device`.
+    """
+    global _HOST_GROUP
+    _HOST_GROUP = group
+
+
+def _vote_group() -> tuple[Any, torch.device]:
+    if _HOST_GROUP is not None:
+        return _HOST_GROUP, torch.device("cpu")
+    return None, collective_device()
+
+
 def collective_device() -> torch.device:
     """The device that tensors given to collectives of the default group must live on.
 
@@ -101,7 +123,7 @@ def all_gather(value: T) -> list[T]:
     if not is_distributed():
         return [value]
     values: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
+    dist.all_gather_object(values, value, group=_vote_group()[0])
     return values
 
 
@@ -122,9 +144,11 @@ def _ranks_per_slot(flags: list[bool], device: torch.device | None) -> list[list
     if not is_distributed():
         return [[0] if f else [] for f in flags]
     world, rank = dist.get_world_size(), dist.get_rank()
-    votes = torch.zeros(len(flags), world, dtype=torch.int32, device=device or collective_device())
+    group, host_device = _vote_group()
+    device = host_device if group is not None else (device or host_device)
+    votes = torch.zeros(len(flags), world, dtype=torch.int32, device=device)
     votes[:, rank] = torch.tensor([int(f) for f in flags], dtype=torch.int32)
-    dist.all_reduce(votes)
+    dist.all_reduce(votes, group=group)
     return [[r for r, v in enumerate(row) if v] for row in votes.tolist()]
 
 
@@ -175,7 +199,7 @@ def agree(
     mine = errors[slot]
     report = None if mine is None else (type(mine), str(mine))
     reports: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, report)
+    dist.all_gather_object(reports, report, group=_vote_group()[0])
     found = [(r, rep) for r, rep in enumerate(reports) if rep is not None]
     text = "; ".join(f"rank {r}: {message}" for r, (_, message) in found)
     if mine is not None:

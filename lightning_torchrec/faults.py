@@ -67,6 +67,8 @@ class StepGuard:
         self.specs: Mapping[str, FeatureSpec] = {}
         self.dense_width: int | None = None
         self._pending: tuple[int, torch.Tensor] | None = None
+        self._host_loss: torch.Tensor | None = None
+        self._copied: Any = None
 
     def _checks(self, index: int) -> bool:
         return self.validate_batches is True or index < self.validate_batches
@@ -118,7 +120,10 @@ class StepGuard:
         self._mode = mode
 
     def record_loss(self, output: Any, step: int) -> None:
-        """Remembers this step's loss, to be judged at the next check (no sync here).
+        """Remembers this step's loss, to be judged at the next check (no GPU-to-host sync).
+
+        On CUDA the loss is copied to pinned host memory asynchronously; the next check reads
+        it after that copy has long completed, so neither call waits for the GPU.
 
         Args:
             output: what ``training_step`` returned (a loss or a mapping with ``"loss"``).
@@ -127,7 +132,15 @@ class StepGuard:
         if self._mode != "raise":
             return
         loss = _loss_of(output)
-        value = loss.detach().reshape(-1)[:1] if loss is not None else torch.zeros(1)
+        value = loss.detach().reshape(-1)[:1].float() if loss is not None else torch.zeros(1)
+        if value.is_cuda:
+            # Copied to pinned host memory without waiting; read at the next check, long after.
+            if self._host_loss is None:
+                self._host_loss = torch.empty(1, dtype=torch.float32, pin_memory=True)
+            self._host_loss.copy_(value, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+            value = self._host_loss
         self._pending = (step, value)
 
     def check(
@@ -158,6 +171,9 @@ class StepGuard:
         pending, self._pending = self._pending, None
         if not batch_checked and pending is None:
             return
+        if pending is not None and self._copied is not None:
+            self._copied.synchronize()  # the step's copy finished long ago; no stall
+            self._copied = None
         error = _nonfinite_loss_error(pending)
         (last,) = agree(batch_error, error, flags=[last_batch], device=self.device)
         check_even(last, "training", batch_idx)

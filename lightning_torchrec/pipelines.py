@@ -216,3 +216,83 @@ class SparseDistPipeline:
         sharded = {id(m): n for n, m in inner.named_modules() if isinstance(m, ShardedModule)}
         done = {id(m) for m in pipelined_modules(self._pipeline)}
         return sorted(name for key, name in sharded.items() if key not in done)
+
+
+class StagePipelines:
+    """A strategy's two pipelines: one for training, one (forward only) for evaluation.
+
+    Each is dropped for good when TorchRec cannot trace the model (the step then runs
+    unpipelined, see :meth:`SparseDistPipeline.run`).
+
+    Args:
+        model: the ``DistributedModelParallel``.
+        device: the rank's device.
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.model, self.device = model, device
+        self.training: SparseDistPipeline | None = None
+        self.evaluation: SparseDistPipeline | None = None
+
+    def start_fit(self) -> None:
+        """A new training pipeline for a new fit."""
+        self.training = SparseDistPipeline(self.model, self.device)
+
+    def for_stage(self, training: bool) -> SparseDistPipeline | None:
+        """The pipeline of the running stage, if any.
+
+        Args:
+            training: whether the trainer is in a training step.
+
+        Returns:
+            The pipeline, or None.
+        """
+        return self.training if training else self.evaluation
+
+    def feed(self, loader: Any, training: bool) -> Any:
+        """Wraps a dataloader for the stage's pipeline (the evaluation one is made on demand).
+
+        Args:
+            loader: a training or evaluation dataloader.
+            training: whether it is the training dataloader.
+
+        Returns:
+            The wrapped loader, or ``loader`` when the stage has no pipeline.
+        """
+        if not training and self.evaluation is None:
+            self.evaluation = SparseDistPipeline(self.model, self.device)
+        pipeline = self.for_stage(training)
+        return loader if pipeline is None else pipeline.feed(loader)
+
+    def run(
+        self, training: bool, step: Callable[[Any], Any], unpipelined: Callable[[], Any]
+    ) -> Any:
+        """One step of the stage's pipeline (see :meth:`SparseDistPipeline.run`).
+
+        Args:
+            training: whether this is a training step.
+            step: runs the step on the pipeline's copy of the current batch.
+            unpipelined: runs the step without the pipeline.
+
+        Returns:
+            The step's output.
+        """
+        pipeline = self.for_stage(training)
+        assert pipeline is not None
+        output, usable = pipeline.run(step, unpipelined)
+        if not usable:
+            if training:
+                self.training = None
+            else:
+                self.evaluation = None
+        return output
+
+    def detach(self, training: bool) -> None:
+        """Restores the sharded modules' own forwards from the stage's pipeline.
+
+        Args:
+            training: detach the training pipeline (else the evaluation one).
+        """
+        pipeline = self.for_stage(training)
+        if pipeline is not None:
+            pipeline.detach()

@@ -21,15 +21,14 @@ from lightning_torchrec.compat import (
     ResultsOnlyLauncher,
     is_last_batch,
     layer_sync,
-    processed_epochs,
 )
-from lightning_torchrec.data.sampling import set_sampler_epoch
-from lightning_torchrec.faults import StepGuard, check_counts, peer_failure
+from lightning_torchrec.distributed import use_host_group
+from lightning_torchrec.faults import StepGuard, peer_failure
 from lightning_torchrec.optim import (
     DenseAndFusedOptimizer,
     combine_with_schedulers,
 )
-from lightning_torchrec.pipelines import PIPELINES, SparseDistPipeline
+from lightning_torchrec.pipelines import PIPELINES, SparseDistPipeline, StagePipelines
 from lightning_torchrec.plan_summary import PlanSummary, log_plan
 from lightning_torchrec.planning import ShardingConfig, shard_model
 from lightning_torchrec.setup_checks import (
@@ -41,11 +40,12 @@ from lightning_torchrec.setup_checks import (
 )
 from lightning_torchrec.sharders import has_fused_tables
 from lightning_torchrec.strategy_checkpoints import ShardedCheckpointing
+from lightning_torchrec.strategy_data import DataHooks
 
 log = logging.getLogger(__name__)
 
 
-class TorchRecStrategy(ShardedCheckpointing, DDPStrategy):
+class TorchRecStrategy(DataHooks, ShardedCheckpointing, DDPStrategy):
     """Trains any LightningModule holding TorchRec embedding modules with sharded tables.
 
     One process per device (gloo on CPU, nccl on CUDA; Lightning's launcher, ``torchrun`` and
@@ -149,8 +149,8 @@ class TorchRecStrategy(ShardedCheckpointing, DDPStrategy):
         self.start_method = start_method
         self.check_finite_checkpoints = check_finite_checkpoints
         self.pipeline = pipeline
-        self._pipeline: SparseDistPipeline | None = None
-        self._eval_pipeline: SparseDistPipeline | None = None
+        self._pipelines: StagePipelines | None = None
+        self._host_batch: Any = None
         self._dmp: DistributedModelParallel | None = None
         self._plan: ShardingPlan | None = None
         self._sharded_module: L.LightningModule | None = None
@@ -199,6 +199,13 @@ class TorchRecStrategy(ShardedCheckpointing, DDPStrategy):
 
     # ------------------------------------------------------------------ setup
     @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if torch.distributed.get_backend() != "gloo":
+            # The per-step votes are host integers: a gloo group decides them without a GPU sync.
+            use_host_group(torch.distributed.new_group(backend="gloo"))
+
+    @override
     def setup(self, trainer: L.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
@@ -214,7 +221,7 @@ class TorchRecStrategy(ShardedCheckpointing, DDPStrategy):
                 check_fused_training(trainer, self.allow_fused_gradient_accumulation)
             if self.pipeline is not None:
                 check_pipeline_training(trainer)
-                self._pipeline = SparseDistPipeline(self._dmp, self.root_device)
+                self._stage_pipelines().start_fit()
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
 
@@ -279,83 +286,60 @@ class TorchRecStrategy(ShardedCheckpointing, DDPStrategy):
         # One collective: this step's batch verdict, the previous step's loss verdict, and
         # whether every rank is (or no rank is) at its last batch.
         batch = args[0] if args else kwargs.get("batch")
-        self._collective(self._guard.before_training_step, batch, step, batch_idx, last)
+        checked = self._checked_batch(batch)
+        self._collective(self._guard.before_training_step, checked, step, batch_idx, last)
         parent = super()
-        if self._pipeline is not None:
-            output, usable = self._collective(
-                self._pipeline.run,
+        if self._stage_pipeline() is not None:
+            assert self._pipelines is not None
+            output = self._collective(
+                self._pipelines.run,
+                True,
                 lambda device_batch: parent.training_step(device_batch, batch_idx),
-                lambda: parent.training_step(parent.batch_to_device(batch), batch_idx),
+                lambda: parent.training_step(parent.batch_to_device(checked), batch_idx),
             )
-            self._pipeline = self._pipeline if usable else None
         else:
             output = self._collective(parent.training_step, *args, **kwargs)
         self._guard.record_loss(output, step)
         return output
 
+    def _stage_pipelines(self) -> StagePipelines:
+        if self._pipelines is None:
+            assert self._dmp is not None
+            self._pipelines = StagePipelines(self._dmp, self.root_device)
+        return self._pipelines
+
     def _stage_pipeline(self) -> SparseDistPipeline | None:
-        training = self.lightning_module.trainer.training
-        return self._pipeline if training else self._eval_pipeline
+        if self._pipelines is None:
+            return None
+        return self._pipelines.for_stage(self.lightning_module.trainer.training)
 
     @override
     def batch_to_device(self, batch: Any, device: Any = None, dataloader_idx: int = 0) -> Any:
-        # A pipeline copies its batches to the device itself (on its own stream).
+        # The step checks the host copy (no GPU-to-host sync); a pipeline copies its batches to
+        # the device itself (on its own stream).
+        self._host_batch = batch
         if self._stage_pipeline() is not None:
             return batch
         return super().batch_to_device(batch, device, dataloader_idx)
 
+    def _checked_batch(self, batch: Any) -> Any:
+        host, self._host_batch = self._host_batch, None
+        return batch if host is None else host
+
     def _eval_step(self, step_fn: Any, stage: str, args: Any, kwargs: Any) -> Any:
         batch_idx = int(args[1] if len(args) > 1 else kwargs.get("batch_idx", 0))
         last = is_last_batch(self.lightning_module.trainer)
-        batch = args[0] if args else kwargs.get("batch")
+        batch = self._checked_batch(args[0] if args else kwargs.get("batch"))
         self._collective(self._guard.before_eval_step, batch, stage, batch_idx, last)
-        pipeline = self._eval_pipeline
-        if pipeline is None:
+        if self._stage_pipeline() is None:
             return self._collective(step_fn, *args, **kwargs)
-        output, usable = self._collective(
-            pipeline.run,
+        assert self._pipelines is not None
+        return self._collective(
+            self._pipelines.run,
+            False,
             lambda device_batch: step_fn(device_batch, *args[1:], **kwargs),
             lambda: step_fn(super(TorchRecStrategy, self).batch_to_device(batch), *args[1:]),
         )
-        self._eval_pipeline = pipeline if usable else None
-        return output
-
-    def _end_evaluation(self) -> None:
-        if self._eval_pipeline is not None:
-            self._eval_pipeline.detach()  # the training pipeline re-attaches at its next step
-
-    def _check_batch_counts(self, stage: str, count: float) -> None:
-        self._collective(check_counts, count, stage)
-
-    @override
-    def on_train_start(self) -> None:
-        self._check_batch_counts("training", self.lightning_module.trainer.num_training_batches)
-
-    @override
-    def on_validation_start(self) -> None:
-        if self._pipeline is not None:
-            self._pipeline.detach()  # evaluation runs the sharded modules' own forwards
-        self._check_batch_counts("validation", sum(self.lightning_module.trainer.num_val_batches))
-
-    @override
-    def on_validation_end(self) -> None:
-        self._end_evaluation()
-
-    @override
-    def on_test_end(self) -> None:
-        self._end_evaluation()
-
-    @override
-    def on_predict_end(self) -> None:
-        self._end_evaluation()
-
-    @override
-    def on_test_start(self) -> None:
-        self._check_batch_counts("test", sum(self.lightning_module.trainer.num_test_batches))
-
-    @override
-    def on_predict_start(self) -> None:
-        self._check_batch_counts("predict", sum(self.lightning_module.trainer.num_predict_batches))
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -380,27 +364,8 @@ class TorchRecStrategy(ShardedCheckpointing, DDPStrategy):
     def on_train_end(self) -> None:
         # The last step's loss has no next step to be judged at.
         self._collective(self._guard.flush)
-        if self._pipeline is not None:
-            self._pipeline.detach()  # a later fit, validate or predict runs the own forwards
-
-    # ------------------------------------------------------------------ data
-    @override
-    def process_dataloader(self, dataloader: Any) -> Any:
-        # Lightning creates the first epoch's iterator before it sets the sampler's epoch and does
-        # not re-create it after a resume: a run resumed at epoch e would replay epoch 0's
-        # shuffle. Setting the restored epoch here (after the checkpoint is loaded, before the
-        # iterator exists) makes resumed runs see the same order as uninterrupted ones.
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            set_sampler_epoch(dataloader, processed_epochs(trainer))
-            if self._pipeline is not None and trainer.training:
-                return self._pipeline.feed(dataloader)
-        if trainer is not None and self.pipeline is not None and not trainer.training:
-            if self._eval_pipeline is None:
-                assert self._dmp is not None
-                self._eval_pipeline = SparseDistPipeline(self._dmp, self.root_device)
-            return self._eval_pipeline.feed(dataloader)
-        return dataloader
+        if self._pipelines is not None:  # a later fit, validate or predict: the own forwards
+            self._pipelines.detach(training=True)
 
     # ------------------------------------------------------------------ teardown
     @override

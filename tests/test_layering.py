@@ -39,7 +39,7 @@ LAYERS: list[set[str]] = [
     {"checkpoint"},
     {"consolidate", "module", "quantize", "data.synthetic", "data.criteo", "data.parquet"},
     {"data"},
-    {"dlrm", "strategy_checkpoints"},
+    {"dlrm", "strategy_checkpoints", "strategy_data"},
     {"export"},
     {"strategy", "callbacks.norms", "callbacks.preemption"},
     {"callbacks"},
@@ -48,6 +48,7 @@ LAYERS: list[set[str]] = [
 GLUE = {
     "strategy",
     "strategy_checkpoints",
+    "strategy_data",
     "callbacks",
     "callbacks.norms",
     "callbacks.preemption",

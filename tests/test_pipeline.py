@@ -85,4 +85,4 @@ def test_a_model_the_pipeline_cannot_trace_trains_unpipelined() -> None:
     with pytest.warns(UserWarning, match="cannot pipeline this model"):
         trainer.fit(model, datamodule=tiny_data())
     assert trainer.global_step == 3
-    assert strategy._pipeline is None
+    assert strategy._pipelines.training is None

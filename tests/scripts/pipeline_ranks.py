@@ -56,7 +56,8 @@ def run(pipeline: str | None) -> None:
     )
     trainer.fit(model, datamodule=data)
     preds = trainer.predict(model, dataloaders=data.val_dataloader())
-    evaluating = strategy._eval_pipeline
+    pipes = strategy._pipelines
+    training, evaluating = (pipes.training, pipes.evaluation) if pipes else (None, None)
     torch.save(
         {
             "train": losses.train,
@@ -65,10 +66,8 @@ def run(pipeline: str | None) -> None:
             "steps": trainer.global_step,
             "preds": preds,
             "eval_pipelined": len(pipelined_modules(evaluating._pipeline)) if evaluating else 0,
-            "unpipelined": strategy._pipeline.unpipelined() if strategy._pipeline else None,
-            "pipelined": len(pipelined_modules(strategy._pipeline._pipeline))
-            if strategy._pipeline
-            else 0,
+            "unpipelined": training.unpipelined() if training else None,
+            "pipelined": len(pipelined_modules(training._pipeline)) if training else 0,
         },
         OUT / f"{pipeline}_rank{trainer.global_rank}.pt",
     )
