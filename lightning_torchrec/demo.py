@@ -12,8 +12,8 @@ changed from the command line, LightningCLI style, e.g.::
 day files, the Kaggle ``train.txt``, or TorchRec npy days; see ``docs/data.md``), e.g. on files
 from ``scripts/make_click_files.py``::
 
-    python scripts/make_click_files.py /tmp/clicks
-    python -m lightning_torchrec.demo fit --data criteo --data.path /tmp/clicks/criteo
+    python scripts/make_click_files.py data/clicks
+    python -m lightning_torchrec.demo fit --data criteo --data.path data/clicks/criteo
 
 ``--data synthetic`` (the default) is the learnable synthetic data.
 """

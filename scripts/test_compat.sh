@@ -5,7 +5,7 @@
 #
 #   scripts/test_compat.sh [PYTEST_ARGS...]      # e.g. scripts/test_compat.sh -k checkpoint
 #   COMPAT_ENVS=oldest scripts/test_compat.sh    # one stack only
-#   COMPAT_SRC=/tmp/ltr-head scripts/test_compat.sh   # test another checkout (e.g. a worktree of
+#   COMPAT_SRC=../ltr-head scripts/test_compat.sh   # test another checkout (e.g. a worktree of
 #       HEAD while this one is mid-edit): pytest runs there with it first on PYTHONPATH
 #
 # PyPI's Linux torch wheels (all but the tested 2.13.0 CPU build) are CUDA builds that need the
