@@ -33,7 +33,7 @@ from lightning_torchrec.errors import (
     RankFailureError,
     UnsafeCheckpointError,
 )
-from lightning_torchrec.faults import peer_failure
+from lightning_torchrec.faults import peer_failure, run_collective
 from lightning_torchrec.safe_load import (
     load_torch_file,
     pickled_strings,
@@ -89,15 +89,7 @@ def _partial_dir(path: Path) -> Path:
 
 def _collective(fn: Any, *args: Any, **kwargs: Any) -> Any:
     """Runs a collective; a peer that died turns into :class:`PeerFailureError`."""
-    try:
-        return fn(*args, **kwargs)
-    except (PeerFailureError, RankFailureError):
-        raise
-    except RuntimeError as err:
-        failure = peer_failure(err, _TIMEOUT)
-        if failure is None:
-            raise
-        raise failure from err
+    return run_collective(fn, *args, timeout=_TIMEOUT, **kwargs)
 
 
 def _agree(error: BaseException | None) -> None:

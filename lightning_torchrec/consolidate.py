@@ -30,8 +30,8 @@ import torch
 from torch import nn
 
 from lightning_torchrec.checkpoint import (
+    fill_plain,
     iter_plain_tensors,
-    meta_tensors,
     plain_tensor_index,
 )
 from lightning_torchrec.errors import (
@@ -39,7 +39,6 @@ from lightning_torchrec.errors import (
     CheckpointMismatchError,
     UnsafeCheckpointError,
 )
-from lightning_torchrec.layout import copy_into_shards, global_shape
 
 __all__ = [
     "consolidate",
@@ -173,11 +172,10 @@ def load_plain_weights(
         The keys that were loaded.
 
     Raises:
-        ValueError: on missing/unexpected keys (``strict``) or a global shape mismatch, naming them
-            (nothing is loaded), or when tensors of the module stay on the meta device because the
-            source lacks them (``strict=False``), naming them.
+        CheckpointMismatchError: (a ``ValueError``) on missing/unexpected keys (``strict``) or
+            a global shape mismatch, naming them (nothing is loaded), or when tensors of the
+            module stay on the meta device because the source lacks them, naming them.
     """
-    target = module.state_dict()
     if isinstance(source, dict):
         shapes = {k: tuple(v.shape) for k, v in source.items()}
     elif Path(source).suffix == ".safetensors":
@@ -185,38 +183,11 @@ def load_plain_weights(
     else:
         source = read_plain(source)
         shapes = {k: tuple(v.shape) for k, v in source.items()}
-    keys = [k for k, v in target.items() if isinstance(v, torch.Tensor)]
-    missing = [k for k in keys if k not in shapes]
-    extra = [k for k in shapes if k not in target]
-    wrong = [
-        f"{k}: file {list(shapes[k])}, model {list(global_shape(target[k]))}"
-        for k in keys
-        if k in shapes and tuple(global_shape(target[k])) != shapes[k]
-    ]
-    if wrong or (strict and (missing or extra)):
-        raise ValueError(
-            f"Plain weights do not fit the model: missing {missing}, unexpected {extra}, "
-            f"shapes differ: {wrong}"
-        )
-    on_meta = set(meta_tensors(module)) & set(keys)
-    loaded = []
-    for key in keys:
-        if key not in shapes:
-            continue
-        plain = source[key] if isinstance(source, dict) else read_plain(source, [key])[key]
-        if key in on_meta:  # an unsharded table built on the meta device: take the tensor
-            module.load_state_dict({key: plain}, strict=False, assign=True)
-        else:
-            copy_into_shards({key: plain}, {key: target[key]})
-        loaded.append(key)
-    module.load_state_dict({k: v for k, v in target.items() if k not in on_meta}, strict=False)
-    left = meta_tensors(module)
-    if left:
-        raise ValueError(
-            f"these tensors of the model are still on the meta device (no values; the source "
-            f"does not hold them): {left}"
-        )
-    return loaded
+    tensors = (
+        (key, source[key] if isinstance(source, dict) else read_plain(source, [key])[key])
+        for key in shapes
+    )
+    return fill_plain(module, shapes, tensors, strict)
 
 
 def main(argv: list[str] | None = None) -> None:

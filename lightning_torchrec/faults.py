@@ -26,7 +26,12 @@ import torch
 from lightning_torchrec.batch_checks import check_batch
 from lightning_torchrec.compat import ShardedTensor
 from lightning_torchrec.distributed import agree, all_gather, rank_and_world_size
-from lightning_torchrec.errors import NonFiniteLossError, PeerFailureError, UnevenDataError
+from lightning_torchrec.errors import (
+    NonFiniteLossError,
+    PeerFailureError,
+    RankFailureError,
+    UnevenDataError,
+)
 from lightning_torchrec.layout import shard_info
 from lightning_torchrec.tables import FeatureSpec
 
@@ -306,3 +311,31 @@ def peer_failure(exc: BaseException, timeout: Any = None) -> PeerFailureError | 
         f"answering within the collective timeout ({timeout}). Check the other ranks' logs; "
         f"resume from the last checkpoint. Original error: {str(exc).splitlines()[0][:300]}"
     )
+
+
+def run_collective(fn: Any, *args: Any, timeout: Any = None, **kwargs: Any) -> Any:
+    """Runs ``fn`` (which enters collectives); a peer that died raises :class:`PeerFailureError`.
+
+    Errors that are already the package's agreed errors pass through unchanged.
+
+    Args:
+        fn: the call.
+        *args: its positional arguments.
+        timeout: the collective timeout, for the message.
+        **kwargs: its keyword arguments.
+
+    Returns:
+        What ``fn`` returned.
+
+    Raises:
+        PeerFailureError: when ``fn`` failed because a peer died or timed out.
+    """
+    try:
+        return fn(*args, **kwargs)
+    except (PeerFailureError, RankFailureError):
+        raise
+    except RuntimeError as err:
+        failure = peer_failure(err, timeout)
+        if failure is None:
+            raise
+        raise failure from err

@@ -23,7 +23,7 @@ from lightning_torchrec.compat import (
     layer_sync,
 )
 from lightning_torchrec.distributed import use_host_group
-from lightning_torchrec.faults import StepGuard, peer_failure
+from lightning_torchrec.faults import StepGuard, run_collective
 from lightning_torchrec.optim import (
     DenseAndFusedOptimizer,
     combine_with_schedulers,
@@ -269,10 +269,7 @@ class TorchRecStrategy(DataHooks, ShardedCheckpointing, DDPStrategy):
                 opt.push_fused_lr()
 
     def _collective(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except RuntimeError as e:
-            raise (peer_failure(e, self.collective_timeout) or e) from e
+        return run_collective(fn, *args, timeout=self.collective_timeout, **kwargs)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

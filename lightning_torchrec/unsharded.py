@@ -33,6 +33,7 @@ from lightning_torchrec.errors import (
     CheckpointCorruptError,
     CheckpointMismatchError,
 )
+from lightning_torchrec.layout import copy_into_shards, global_shape
 from lightning_torchrec.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
 
 
@@ -148,12 +149,16 @@ def fill_plain(
     tensors: Iterable[tuple[str, torch.Tensor]],
     strict: bool = True,
 ) -> list[str]:
-    """Loads whole tensors into an unsharded module, one at a time; meta tensors materialise.
+    """Loads whole tensors into a module, one at a time; each rank copies only its shards.
+
+    Works on an unsharded module (tensors on the meta device take the loaded tensor, on the
+    CPU) and on a sharded one (ShardedTensor/DTensor tables: this rank's shards are filled).
 
     Args:
-        module: the unsharded module (tables may be on the meta device).
-        shapes: the shape of every tensor ``tensors`` will yield, checked before any is read.
-        tensors: ``(state-dict key, tensor)`` pairs.
+        module: the module (tables may be on the meta device, or sharded).
+        shapes: the global shape of every tensor ``tensors`` will yield, checked before any is
+            read.
+        tensors: ``(state-dict key, whole tensor)`` pairs.
         strict: raise when the source lacks a tensor of the module or has one it lacks.
 
     Returns:
@@ -169,23 +174,24 @@ def fill_plain(
     missing = [k for k in keys if k not in shapes]
     extra = [k for k in shapes if k not in target]
     wrong = [
-        f"{k}: source {list(shapes[k])}, model {list(target[k].shape)}"
+        f"{k}: source {list(shapes[k])}, model {list(global_shape(target[k]))}"
         for k in keys
-        if k in shapes and tuple(target[k].shape) != tuple(shapes[k])
+        if k in shapes and tuple(global_shape(target[k])) != tuple(shapes[k])
     ]
     if wrong or (strict and (missing or extra)):
         raise CheckpointMismatchError(
             f"the weights do not fit the model: missing {missing}, unexpected {extra}, "
             f"shapes differ: {wrong}"
         )
+    on_meta = set(meta_tensors(module))
     loaded = []
     for key, tensor in tensors:
         if key not in target:
             continue
-        if _is_plain_meta(target[key]):  # a table built on the meta device: take the tensor
+        if key in on_meta:  # a table built on the meta device: take the tensor
             module.load_state_dict({key: tensor}, strict=False, assign=True)
         else:
-            target[key].copy_(tensor)
+            copy_into_shards({key: tensor}, {key: target[key]})
         loaded.append(key)
     left = meta_tensors(module)
     if left:
