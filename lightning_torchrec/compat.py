@@ -24,13 +24,11 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 # The local shape and global offset of a regular DTensor's local tensor; no public equivalent
 # (torch 2.4+; same signature through 2.14).
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.optim.keyed import CombinedOptimizer
 from typing_extensions import override
 
 __all__ = [
     "ResultsOnlyLauncher",
-    "ForwardOnlySparseDist",
     "TORCH_LAYOUT_DECODER",
     "UPSTREAM_WARNINGS",
     "filter_upstream_warnings",
@@ -41,7 +39,6 @@ __all__ = [
     "kernel_step",
     "layer_sync",
     "local_shape_and_global_offset",
-    "pipelined_modules",
     "planner_topology",
     "processed_epochs",
     "set_kernel_step",
@@ -297,31 +294,6 @@ def is_last_batch(trainer: Any) -> bool:
     else:
         loop = trainer.predict_loop
     return bool(loop.batch_progress.is_last_batch)
-
-
-class ForwardOnlySparseDist(TrainPipelineSparseDist):
-    """TorchRec's sparse-dist pipeline whose ``progress()`` leaves the backward to the caller.
-
-    ``TrainPipelineSparseDist._backward`` (torchrec 1.6.1 through 1.9) is the one step of
-    ``progress()`` that Lightning must own (its closure runs the backward after the training
-    step); the optimizer step is disabled by giving the pipeline a no-op optimizer.
-    """
-
-    @override
-    def _backward(self, losses: torch.Tensor) -> None:
-        pass
-
-
-def pipelined_modules(pipeline: Any) -> list[nn.Module]:
-    """The sharded modules a TorchRec train pipeline rewrote (``_pipelined_modules``, 1.6.1+).
-
-    Args:
-        pipeline: a ``TrainPipelineSparseDist``.
-
-    Returns:
-        The modules whose input dist the pipeline runs ahead.
-    """
-    return list(getattr(pipeline, "_pipelined_modules", []))
 
 
 class ResultsOnlyLauncher(_MultiProcessingLauncher):

@@ -1,21 +1,26 @@
-"""TorchRec's sparse-dist train pipeline under Lightning's loop, with ``training_step`` unchanged.
+"""TorchRec's train pipelines under Lightning's loop, with ``training_step`` unchanged.
 
 ``TrainPipelineSparseDist`` overlaps the next batch's host-to-device copy and sparse input
-all-to-all with the current batch's forward and backward. It normally owns the loop
-(``progress(dataloader_iter)`` runs forward, backward and optimizer step). Here Lightning keeps
-the loop, the backward and the optimizer step:
+all-to-all with the current batch's forward and backward; ``TrainPipelineSemiSync`` also looks
+the next batch's embeddings up before this batch's table update, so their output all-to-all
+overlaps the backward. A TorchRec pipeline normally owns the loop (``progress(dataloader_iter)``
+runs forward, backward and optimizer step). Here Lightning keeps the loop, the backward and the
+optimizer step:
 
 * :class:`PipelineFeed` wraps the training dataloader: Lightning and the pipeline read the same
-  batches through ``itertools.tee`` (the pipeline reads up to two batches ahead); each epoch's
+  batches through ``itertools.tee`` (the pipeline reads up to three batches ahead); each epoch's
   iterator resets the pipeline.
 * :class:`SparseDistPipeline` runs ``progress()`` once per Lightning training step with a model
   forward that is the strategy's ``training_step`` on the pipeline's (device) copy of the batch;
   the pipeline's own backward and optimizer step are disabled
-  (:class:`~lightning_torchrec.compat.ForwardOnlySparseDist`), so the order of collectives and
-  updates is TorchRec's: input dist of batch ``i + 1`` before the forward of batch ``i``, its
-  completion before the backward of batch ``i``.
+  (:class:`~lightning_torchrec.compat_pipelines.ForwardOnlySparseDist`), so the order of
+  collectives and updates is TorchRec's: input dist of batch ``i + 1`` before the forward of
+  batch ``i``, its completion before the backward of batch ``i``.
+* :class:`SemiSyncPipeline` runs TorchRec's semi-sync ``progress()`` cut in two
+  (:class:`~lightning_torchrec.compat_pipelines.StagedSemiSync`): up to the backward inside the
+  training step, the tables' backward (their fused update) right after Lightning's backward.
 * A model TorchRec cannot trace (:meth:`SparseDistPipeline.first_step`) trains unpipelined.
-* Validation, test and predict run through a second pipeline of the same kind with the model in
+* Validation, test and predict run through a forward-only sparse-dist pipeline with the model in
   eval mode (``progress()`` then runs the forward only: the shape of TorchRec's
   ``EvalPipelineSparseDist``, whose fixed ``model(batch)`` forward cannot call
   ``validation_step``). The training pipeline detaches (restores the sharded modules' forwards)
@@ -39,13 +44,63 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torchrec.distributed.types import ShardedModule
 
-from lightning_torchrec.compat import ForwardOnlySparseDist, pipelined_modules
+from lightning_torchrec.compat_pipelines import (
+    ForwardOnlySparseDist,
+    StagedSemiSync,
+    pipelined_modules,
+)
 
-PIPELINES = (None, "sparse_dist")
+PIPELINES = (None, "sparse_dist", "semi_sync")
+
+#: ``pipeline_options`` each pipeline takes (TorchRec's constructor arguments of the same name).
+PIPELINE_OPTIONS: dict[str, set[str]] = {"sparse_dist": set(), "semi_sync": {"start_batch"}}
+
+#: TorchRec's default for ``TrainPipelineSemiSync(start_batch=...)``.
+SEMI_SYNC_START_BATCH = 900
+
+
+def check_pipeline_options(pipeline: str | None, options: dict[str, Any] | None) -> dict[str, Any]:
+    """Checks ``TorchRecStrategy(pipeline_options=...)`` against the chosen pipeline.
+
+    Args:
+        pipeline: the pipeline's name (one of :data:`PIPELINES`).
+        options: its options: ``{"start_batch": N}`` for ``"semi_sync"`` (the first global step
+            whose next batch is looked up before the update; TorchRec's default, 900, keeps the
+            first steps synchronous).
+
+    Returns:
+        The options (a copy; empty when None).
+
+    Raises:
+        ValueError: for an unknown pipeline, an option the pipeline does not take (naming it), or
+            a ``start_batch`` that is not a non-negative int.
+    """
+    if pipeline not in PIPELINES:
+        raise ValueError(f"pipeline must be one of {PIPELINES}, got {pipeline!r}")
+    options = dict(options or {})
+    allowed = PIPELINE_OPTIONS.get(pipeline or "", set())
+    for key in options:
+        if key not in allowed:
+            why = (
+                " (semi_sync's dense part is always synchronous here: Lightning's optimizer "
+                "step cannot be skipped at the switch)"
+                if key == "stash_gradients"
+                else ""
+            )
+            raise ValueError(
+                f"pipeline_options[{key!r}] is not an option of pipeline={pipeline!r}; it takes "
+                f"{sorted(allowed) or 'none'}{why}"
+            )
+    start = options.get("start_batch", 0)
+    if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+        raise ValueError(f"pipeline_options['start_batch'] must be an int >= 0, got {start!r}")
+    return options
 
 
 class _NoOptimizer:
     """The pipeline's optimizer: Lightning zeroes gradients and steps the real one."""
+
+    param_groups: list[dict[str, Any]] = []  # noqa: RUF012 (read-only, always empty)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Does nothing.
@@ -98,16 +153,25 @@ class SparseDistPipeline:
 
     def __init__(self, model: nn.Module, device: torch.device) -> None:
         self._step: Callable[[Any], Any] | None = None
-        self._pipeline = ForwardOnlySparseDist(
+        self._pipeline = self._make(model, device)
+        self._model = model
+        self._iterator: Iterator[Any] | None = None
+        self.checked = False
+
+    def _make(self, model: nn.Module, device: torch.device) -> ForwardOnlySparseDist:
+        return ForwardOnlySparseDist(
             model=model,
             optimizer=_NoOptimizer(),  # type: ignore[arg-type]
             device=device,
             execute_all_batches=True,
             custom_model_fwd=self._forward,
         )
-        self._model = model
-        self._iterator: Iterator[Any] | None = None
-        self.checked = False
+
+    def _progress(self, iterator: Iterator[Any]) -> Any:
+        return self._pipeline.progress(iterator)
+
+    def after_backward(self) -> None:
+        """Called after Lightning's backward of a training step (nothing to do here)."""
 
     def _forward(self, batch: Any) -> tuple[None, Any]:
         assert self._step is not None
@@ -146,7 +210,7 @@ class SparseDistPipeline:
         assert self._iterator is not None, "the training dataloader was not fed to the pipeline"
         self._step = step
         try:
-            return self._pipeline.progress(self._iterator)
+            return self._progress(self._iterator)
         finally:
             self._step = None
 
@@ -218,6 +282,53 @@ class SparseDistPipeline:
         return sorted(name for key, name in sharded.items() if key not in done)
 
 
+class SemiSyncPipeline(SparseDistPipeline):
+    """TorchRec's semi-synchronous pipeline driven by Lightning's training steps.
+
+    From global step ``start_batch`` on, the embeddings of batch ``i + 1`` are looked up before
+    batch ``i``'s table update (one batch of staleness for the tables; the dense part stays
+    synchronous), so their output all-to-all overlaps the backward of batch ``i``. Before it,
+    steps are synchronous (the same results as ``pipeline=None``). The table update runs after
+    Lightning's backward (:meth:`after_backward`), before its optimizer step, as in TorchRec's
+    ``TrainPipelineSemiSync.progress``.
+
+    Args:
+        model: the ``DistributedModelParallel``.
+        device: the rank's device.
+        start_batch: the first global step that looks the next batch up early.
+        global_step: returns Lightning's global step (the number of finished steps).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        start_batch: int,
+        global_step: Callable[[], int],
+    ) -> None:
+        self.start_batch = start_batch
+        self._global_step = global_step
+        super().__init__(model, device)
+
+    def _make(self, model: nn.Module, device: torch.device) -> StagedSemiSync:  # type: ignore[override]
+        return StagedSemiSync(
+            model=model,
+            optimizer=_NoOptimizer(),  # type: ignore[arg-type]
+            device=device,
+            execute_all_batches=True,
+            start_batch=self.start_batch,
+            custom_model_fwd=self._forward,
+        )
+
+    def _progress(self, iterator: Iterator[Any]) -> Any:
+        semi_sync = self._global_step() >= self.start_batch
+        return self._pipeline.forward_stage(iterator, semi_sync)  # type: ignore[attr-defined]
+
+    def after_backward(self) -> None:
+        """The tables' backward and fused update of the batch whose backward Lightning ran."""
+        self._pipeline.embedding_backward_stage()  # type: ignore[attr-defined]
+
+
 class StagePipelines:
     """A strategy's two pipelines: one for training, one (forward only) for evaluation.
 
@@ -227,16 +338,38 @@ class StagePipelines:
     Args:
         model: the ``DistributedModelParallel``.
         device: the rank's device.
+        kind: the training pipeline, ``"sparse_dist"`` or ``"semi_sync"`` (evaluation always
+            runs the forward-only sparse-dist one).
+        options: the pipeline's options (see :func:`check_pipeline_options`).
+        global_step: returns Lightning's global step (for ``"semi_sync"``'s ``start_batch``).
     """
 
-    def __init__(self, model: nn.Module, device: torch.device) -> None:
-        self.model, self.device = model, device
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        kind: str = "sparse_dist",
+        options: dict[str, Any] | None = None,
+        global_step: Callable[[], int] = lambda: 0,
+    ) -> None:
+        self.model, self.device, self.kind = model, device, kind
+        self.options = check_pipeline_options(kind, options)
+        self.global_step = global_step
         self.training: SparseDistPipeline | None = None
         self.evaluation: SparseDistPipeline | None = None
 
     def start_fit(self) -> None:
         """A new training pipeline for a new fit."""
-        self.training = SparseDistPipeline(self.model, self.device)
+        if self.kind == "semi_sync":
+            start = self.options.get("start_batch", SEMI_SYNC_START_BATCH)
+            self.training = SemiSyncPipeline(self.model, self.device, start, self.global_step)
+        else:
+            self.training = SparseDistPipeline(self.model, self.device)
+
+    def after_backward(self) -> None:
+        """After Lightning's backward of a training step (semi-sync: the tables' update)."""
+        if self.training is not None:
+            self.training.after_backward()
 
     def for_stage(self, training: bool) -> SparseDistPipeline | None:
         """The pipeline of the running stage, if any.

@@ -28,7 +28,11 @@ from lightning_torchrec.optim import (
     DenseAndFusedOptimizer,
     combine_with_schedulers,
 )
-from lightning_torchrec.pipelines import PIPELINES, SparseDistPipeline, StagePipelines
+from lightning_torchrec.pipelines import (
+    SparseDistPipeline,
+    StagePipelines,
+    check_pipeline_options,
+)
 from lightning_torchrec.plan_summary import PlanSummary, log_plan
 from lightning_torchrec.planning import ShardingConfig, shard_model
 from lightning_torchrec.setup_checks import (
@@ -94,11 +98,19 @@ class TorchRecStrategy(DataHooks, ShardedCheckpointing, DDPStrategy):
             (the next batch's copy and sparse input all-to-all overlap this batch's forward and
             backward; same results as ``None``) with ``training_step`` unchanged, and runs
             validation, test and predict through the same pipeline in eval mode (forward only);
-            see ``lightning_torchrec.pipelines``. ``None``: no pipeline.
+            see ``lightning_torchrec.pipelines``. ``"semi_sync"``: TorchRec's
+            ``TrainPipelineSemiSync``: from global step ``start_batch`` on, the embeddings of
+            batch ``i + 1`` are looked up before batch ``i``'s table update (one batch of
+            staleness for the tables; dense weights stay synchronous), so their all-to-all
+            overlaps the backward; synchronous (the same results as ``None``) before it.
+            ``None``: no pipeline.
+        pipeline_options: options of the chosen pipeline: ``{"start_batch": N}`` for
+            ``"semi_sync"`` (default 900, TorchRec's).
 
     Raises:
         ValueError: if both ``sharders`` and ``fused_params`` are given, ``plan`` with
-            ``constraints`` or ``planner``, or for an unknown ``on_nonfinite_loss``.
+            ``constraints`` or ``planner``, for an unknown ``on_nonfinite_loss``, pipeline or
+            pipeline option.
     """
 
     strategy_name = "torchrec"
@@ -125,10 +137,10 @@ class TorchRecStrategy(DataHooks, ShardedCheckpointing, DDPStrategy):
         validate_batches: bool | int = True,
         on_nonfinite_loss: Literal["raise", "ignore"] = "raise",
         check_finite_checkpoints: bool = True,
-        pipeline: Literal["sparse_dist"] | None = None,
+        pipeline: Literal["sparse_dist", "semi_sync"] | None = None,
+        pipeline_options: dict[str, Any] | None = None,
     ) -> None:
-        if pipeline not in PIPELINES:
-            raise ValueError(f"pipeline must be one of {PIPELINES}, got {pipeline!r}")
+        self.pipeline_options = check_pipeline_options(pipeline, pipeline_options)
         self.sharding = ShardingConfig(sharders, plan, constraints, fused_params, planner)
         self._guard = StepGuard(on_nonfinite_loss, validate_batches=validate_batches)
         super().__init__(
@@ -302,7 +314,13 @@ class TorchRecStrategy(DataHooks, ShardedCheckpointing, DDPStrategy):
     def _stage_pipelines(self) -> StagePipelines:
         if self._pipelines is None:
             assert self._dmp is not None
-            self._pipelines = StagePipelines(self._dmp, self.root_device)
+            self._pipelines = StagePipelines(
+                self._dmp,
+                self.root_device,
+                self.pipeline or "sparse_dist",
+                self.pipeline_options,
+                lambda: self.lightning_module.trainer.global_step,
+            )
         return self._pipelines
 
     def _stage_pipeline(self) -> SparseDistPipeline | None:
@@ -355,7 +373,13 @@ class TorchRecStrategy(DataHooks, ShardedCheckpointing, DDPStrategy):
         self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any
     ) -> Any:
         # The backward runs collectives too (sparse all-to-all, the DDP all-reduce).
-        return self._collective(super().backward, closure_loss, optimizer, *args, **kwargs)
+        return self._collective(self._backward, closure_loss, optimizer, *args, **kwargs)
+
+    def _backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kw: Any) -> Any:
+        out = super().backward(closure_loss, optimizer, *args, **kw)
+        if self._pipelines is not None and self.lightning_module.trainer.training:
+            self._pipelines.after_backward()  # semi-sync: the tables' update of this batch
+        return out
 
     @override
     def on_train_end(self) -> None:

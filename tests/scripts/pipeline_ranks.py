@@ -1,10 +1,12 @@
 """Pipelined and unpipelined training on 2 ranks (run as a script; Lightning relaunches it).
 
 ``python pipeline_ranks.py OUT``: the same model, data and seed trained with
-``TorchRecStrategy(pipeline=None)`` and ``pipeline="sparse_dist"`` for ``STEPS`` steps with
-validation every ``VAL_EVERY`` steps, then predict the validation batches; each rank writes
-``{pipeline}_rank{r}.pt`` with every step's loss, the validation losses, the predictions and its
-local state at the end.
+``TorchRecStrategy(pipeline=None)``, ``pipeline="sparse_dist"``, ``"semi_sync"`` with a
+``start_batch`` past the end (synchronous throughout: ``semi_sync_late``) and ``"semi_sync"``
+from step ``SEMI_FROM`` for ``STEPS`` steps with validation every ``VAL_EVERY`` steps, then
+predict the validation batches; each rank writes ``{tag}_rank{r}.pt`` with every step's loss,
+the validation losses, the predictions and its local state at the end. Then the Trainer against
+TorchRec's own pipelined loops (``torchrec_{pipeline}_rank{r}.pt``).
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ from lightning.pytorch.callbacks import Callback
 from rank_state import local_view
 
 from lightning_torchrec import TorchRecStrategy
-from lightning_torchrec.compat import pipelined_modules
+from lightning_torchrec.compat_pipelines import pipelined_modules
 
 OUT = Path(sys.argv[1])
-STEPS, VAL_EVERY = 60, 20
+STEPS, VAL_EVERY, SEMI_FROM = 60, 20, 10
 
 
 class Losses(Callback):
@@ -38,13 +40,16 @@ class Losses(Callback):
         self.val.append(float(trainer.callback_metrics["val/loss"]))
 
 
-def run(pipeline: str | None) -> None:
+def run(pipeline: str | None, options: dict[str, Any] | None = None, tag: str = "") -> None:
     L.seed_everything(5)
     data = tiny_data(50, 4, batch_size=64, train_batches=40, val_batches=4, ids_per_feature=2)
     model = tiny_dlrm(50, 4, **WIDE)
     losses = Losses()
     strategy = TorchRecStrategy(
-        constraints=table_wise(4), fused_params={"learning_rate": 0.1}, pipeline=pipeline
+        constraints=table_wise(4),
+        fused_params={"learning_rate": 0.1},
+        pipeline=pipeline,
+        pipeline_options=options,
     )
     trainer = L.Trainer(
         strategy=strategy,
@@ -69,7 +74,7 @@ def run(pipeline: str | None) -> None:
             "unpipelined": training.unpipelined() if training else None,
             "pipelined": len(pipelined_modules(training._pipeline)) if training else 0,
         },
-        OUT / f"{pipeline}_rank{trainer.global_rank}.pt",
+        OUT / f"{tag or pipeline}_rank{trainer.global_rank}.pt",
     )
 
 
@@ -87,12 +92,13 @@ class CopyRawWeights(Callback):
         self.losses.append(loss.detach().clone())
 
 
-def against_torchrec(steps: int = 30) -> None:
-    """The Trainer with ``pipeline="sparse_dist"`` against TorchRec's own pipelined loop.
+def against_torchrec(pipeline: str = "sparse_dist", steps: int = 30) -> None:
+    """The Trainer with ``pipeline=...`` against TorchRec's own pipelined loop.
 
     The raw loop (``benchmarks.harness.RawLoop``: DMP, dense Adam + fused row-wise Adagrad,
-    ``ModelAndLoss``) is driven by ``TrainPipelineSparseDist.progress`` from the same starting
-    weights over the same batches.
+    ``ModelAndLoss``) is driven by ``TrainPipelineSparseDist.progress`` (or
+    ``TrainPipelineSemiSync.progress`` from batch ``SEMI_FROM``, with the pipeline's CPU
+    stream fixes) from the same starting weights over the same batches.
     """
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     import torch.distributed as dist
@@ -109,6 +115,7 @@ def against_torchrec(steps: int = 30) -> None:
         rank_sampler,
         table_wise,
     )
+    from lightning_torchrec.compat_pipelines import StagedSemiSync
 
     size = ModelSize.tiny()
     data = dataset(size, 2 * (steps + 4))
@@ -116,20 +123,33 @@ def against_torchrec(steps: int = 30) -> None:
     L.seed_everything(SEED, verbose=False)
     raw = RawLoop(size, data)
     copy = CopyRawWeights(raw)
+    options = {"start_batch": SEMI_FROM} if pipeline == "semi_sync" else None
     strategy = TorchRecStrategy(
-        fused_params=FUSED, constraints=table_wise(size), pipeline="sparse_dist", log_plan=False
+        fused_params=FUSED,
+        constraints=table_wise(size),
+        pipeline=pipeline,  # type: ignore[arg-type]
+        pipeline_options=options,
+        log_plan=False,
     )
     trainer = L.Trainer(strategy=strategy, devices=2, max_steps=steps, callbacks=[copy], **QUIET)
     trainer.fit(dlrm_module(size), train_dataloaders=DataLoader(data, batch_size=None))
-    pipeline = TrainPipelineSparseDist(raw.model, raw.optimizer, torch.device("cpu"))
-    raw_losses = [pipeline.progress(raw.batches)["loss"].detach().clone() for _ in range(steps)]
+    cpu = torch.device("cpu")
+    loop = (
+        StagedSemiSync(raw.model, raw.optimizer, cpu, start_batch=SEMI_FROM)
+        if pipeline == "semi_sync"
+        else TrainPipelineSparseDist(raw.model, raw.optimizer, cpu)
+    )
+    raw_losses = [loop.progress(raw.batches)["loss"].detach().clone() for _ in range(steps)]
     torch.save(
         {"lightning": copy.losses, "torchrec": raw_losses},
-        OUT / f"torchrec_rank{trainer.global_rank}.pt",
+        OUT / f"torchrec_{pipeline}_rank{trainer.global_rank}.pt",
     )
 
 
 if __name__ == "__main__":
     run(None)
     run("sparse_dist")
-    against_torchrec()
+    run("semi_sync", {"start_batch": 10_000}, "semi_sync_late")
+    run("semi_sync", {"start_batch": SEMI_FROM})
+    against_torchrec("sparse_dist")
+    against_torchrec("semi_sync")
