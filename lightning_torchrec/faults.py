@@ -78,11 +78,32 @@ class StepGuard:
     def _checks(self, index: int) -> bool:
         return self.validate_batches is True or index < self.validate_batches
 
-    def _verdict(self, batch: Any, where: str) -> Exception | None:
+    def _verdict(
+        self, batch: Any, where: str, ahead: list[tuple[int, Any]] | None = None
+    ) -> Exception | None:
         rank, _ = rank_and_world_size()
-        return check_batch(batch, self.specs, self.dense_width, f"rank {rank}, {where}")
+        if ahead is None:
+            return check_batch(batch, self.specs, self.dense_width, f"rank {rank}, {where}")
+        for index, early in ahead:
+            found = check_batch(
+                early,
+                self.specs,
+                self.dense_width,
+                f"rank {rank}, batch {index} of the epoch (checked at {where}, before the "
+                "train pipeline sends it ahead)",
+            )
+            if found is not None:
+                return found
+        return None
 
-    def before_training_step(self, batch: Any, step: int, batch_idx: int, last: bool) -> None:
+    def before_training_step(
+        self,
+        batch: Any,
+        step: int,
+        batch_idx: int,
+        last: bool,
+        ahead: list[tuple[int, Any]] | None = None,
+    ) -> None:
         """The training step's checks, in one collective (see :meth:`check`).
 
         Args:
@@ -90,12 +111,21 @@ class StepGuard:
             step: the global step.
             batch_idx: the batch's index in the epoch.
             last: whether this rank has no batch after this one in the epoch.
+            ahead: with a train pipeline, the batches to check instead of ``batch``: those its
+                next ``progress()`` sends before their own step (``(index, batch)`` pairs).
         """
         checked = self._checks(step)
-        verdict = self._verdict(batch, f"step {step}") if checked else None
+        verdict = self._verdict(batch, f"step {step}", ahead) if checked else None
         self.check(verdict, checked, last, batch_idx)
 
-    def before_eval_step(self, batch: Any, stage: str, batch_idx: int, last: bool) -> None:
+    def before_eval_step(
+        self,
+        batch: Any,
+        stage: str,
+        batch_idx: int,
+        last: bool,
+        ahead: list[tuple[int, Any]] | None = None,
+    ) -> None:
         """An evaluation or predict step's batch check and batch-count vote. Collective.
 
         Args:
@@ -103,13 +133,15 @@ class StepGuard:
             stage: ``"validation"``, ``"test"`` or ``"predict"``.
             batch_idx: the batch's index.
             last: whether this rank has no batch after this one.
+            ahead: with a pipeline, the batches to check instead of ``batch`` (see
+                :meth:`before_training_step`).
 
         Raises:
             BatchValidationError: on every rank when any rank's batch is bad.
             UnevenDataError: on every rank when only some ranks are at their last batch.
         """
         if self._checks(batch_idx):
-            verdict = self._verdict(batch, f"{stage} batch {batch_idx}")
+            verdict = self._verdict(batch, f"{stage} batch {batch_idx}", ahead)
             (ranks,) = agree(verdict, flags=[last], device=self.device)
             check_even(ranks, stage, batch_idx)
 

@@ -35,7 +35,6 @@ and the strategy trains without the pipeline.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -49,6 +48,7 @@ from lightning_torchrec.compat_pipelines import (
     StagedSemiSync,
     pipelined_modules,
 )
+from lightning_torchrec.pipeline_feed import Lookahead, PipelineFeed
 
 PIPELINES = (None, "sparse_dist", "semi_sync")
 
@@ -117,32 +117,6 @@ class _NoOptimizer:
         """
 
 
-class PipelineFeed:
-    """A training dataloader whose batches the pipeline reads ahead of Lightning.
-
-    Everything but iteration is the wrapped loader's (``len``, ``sampler``, ``dataset``, ...).
-
-    Args:
-        loader: the training dataloader.
-        on_epoch: called with the pipeline's iterator whenever a new epoch's iterator is made.
-    """
-
-    def __init__(self, loader: Any, on_epoch: Callable[[Iterator[Any]], None]) -> None:
-        self.loader = loader
-        self.on_epoch = on_epoch
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.loader, name)
-
-    def __iter__(self) -> Iterator[Any]:
-        lightning_side, pipeline_side = itertools.tee(iter(self.loader), 2)
-        self.on_epoch(pipeline_side)
-        return lightning_side
-
-
 class SparseDistPipeline:
     """One TorchRec sparse-dist pipeline driven by Lightning's training steps.
 
@@ -151,12 +125,16 @@ class SparseDistPipeline:
         device: the rank's device.
     """
 
+    #: Batches past the current one whose input all-to-all ``progress()`` starts.
+    depth = 1
+
     def __init__(self, model: nn.Module, device: torch.device) -> None:
         self._step: Callable[[Any], Any] | None = None
         self._pipeline = self._make(model, device)
         self._model = model
-        self._iterator: Iterator[Any] | None = None
+        self._iterator: Lookahead | None = None
         self.checked = False
+        self.dropped = False
 
     def _make(self, model: nn.Module, device: torch.device) -> ForwardOnlySparseDist:
         return ForwardOnlySparseDist(
@@ -177,7 +155,7 @@ class SparseDistPipeline:
         assert self._step is not None
         return None, self._step(batch)
 
-    def new_epoch(self, iterator: Iterator[Any]) -> None:
+    def new_epoch(self, iterator: Lookahead) -> None:
         """Starts over with a new epoch's batches (drops batches still in flight).
 
         Args:
@@ -185,6 +163,19 @@ class SparseDistPipeline:
         """
         self._pipeline.reset()
         self._iterator = iterator
+
+    def ahead(self, batch_idx: int) -> list[tuple[int, Any]]:
+        """The batches this step's ``progress()`` sends that were not checked yet.
+
+        Args:
+            batch_idx: Lightning's index of the current batch.
+
+        Returns:
+            ``(index in the epoch, host batch)`` pairs (see :meth:`Lookahead.ahead`).
+        """
+        if self._iterator is None:
+            return []
+        return self._iterator.ahead(self.depth, batch_idx)
 
     def feed(self, loader: Any) -> PipelineFeed:
         """Wraps a training dataloader so the pipeline reads its batches ahead.
@@ -195,7 +186,7 @@ class SparseDistPipeline:
         Returns:
             The wrapped loader (give it to Lightning).
         """
-        return PipelineFeed(loader, self.new_epoch)
+        return PipelineFeed(loader, self.new_epoch, lambda: not self.dropped)
 
     def train_step(self, step: Callable[[Any], Any]) -> Any:
         """Runs one pipelined step: ``step(device_batch)`` is the forward of the current batch.
@@ -263,6 +254,7 @@ class SparseDistPipeline:
                 + ("It runs without the pipeline." if error else "They run unpipelined.")
             )
         if error is not None:
+            self.dropped, self._iterator = True, None
             return unpipelined(), False
         return output, True
 
@@ -298,6 +290,8 @@ class SemiSyncPipeline(SparseDistPipeline):
         start_batch: the first global step that looks the next batch up early.
         global_step: returns Lightning's global step (the number of finished steps).
     """
+
+    depth = 2
 
     def __init__(
         self,
@@ -419,6 +413,20 @@ class StagePipelines:
             else:
                 self.evaluation = None
         return output
+
+    def ahead(self, training: bool, batch_idx: int) -> list[tuple[int, Any]] | None:
+        """The batches the stage's next ``progress()`` sends before their own step.
+
+        Args:
+            training: whether this is a training step.
+            batch_idx: Lightning's index of the current batch.
+
+        Returns:
+            ``(index in the epoch, host batch)`` pairs to check now, or None when the stage
+            runs no pipeline (check Lightning's batch instead).
+        """
+        pipeline = self.for_stage(training)
+        return None if pipeline is None else pipeline.ahead(batch_idx)
 
     def detach(self, training: bool) -> None:
         """Restores the sharded modules' own forwards from the stage's pipeline.

@@ -296,12 +296,14 @@ class TorchRecStrategy(DataHooks, ShardedCheckpointing, DDPStrategy):
         # whether every rank is (or no rank is) at its last batch.
         batch = args[0] if args else kwargs.get("batch")
         checked = self._checked_batch(batch)
-        self._collective(self._guard.before_training_step, checked, step, batch_idx, last)
+        pipelines = self._pipelines if self._stage_pipeline() is not None else None
+        # A pipeline sends batches before their step: the vote covers those it sends next.
+        ahead = pipelines.ahead(True, batch_idx) if pipelines is not None else None
+        self._collective(self._guard.before_training_step, checked, step, batch_idx, last, ahead)
         parent = super()
-        if self._stage_pipeline() is not None:
-            assert self._pipelines is not None
+        if pipelines is not None:
             output = self._collective(
-                self._pipelines.run,
+                pipelines.run,
                 True,
                 lambda device_batch: parent.training_step(device_batch, batch_idx),
                 lambda: parent.training_step(parent.batch_to_device(checked), batch_idx),
@@ -345,12 +347,13 @@ class TorchRecStrategy(DataHooks, ShardedCheckpointing, DDPStrategy):
         batch_idx = int(args[1] if len(args) > 1 else kwargs.get("batch_idx", 0))
         last = is_last_batch(self.lightning_module.trainer)
         batch = self._checked_batch(args[0] if args else kwargs.get("batch"))
-        self._collective(self._guard.before_eval_step, batch, stage, batch_idx, last)
-        if self._stage_pipeline() is None:
+        pipelines = self._pipelines if self._stage_pipeline() is not None else None
+        ahead = pipelines.ahead(False, batch_idx) if pipelines is not None else None
+        self._collective(self._guard.before_eval_step, batch, stage, batch_idx, last, ahead)
+        if pipelines is None:
             return self._collective(step_fn, *args, **kwargs)
-        assert self._pipelines is not None
         return self._collective(
-            self._pipelines.run,
+            pipelines.run,
             False,
             lambda device_batch: step_fn(device_batch, *args[1:], **kwargs),
             lambda: step_fn(super(TorchRecStrategy, self).batch_to_device(batch), *args[1:]),

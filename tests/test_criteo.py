@@ -251,6 +251,14 @@ def test_two_ranks_resume_mid_epoch_bit_exact(resumed: Path, kind: str) -> None:
                 want = full[rank]["steps"][s]
                 assert steps[s]["fingerprint"] == want["fingerprint"], (rank, s)
                 assert torch.equal(steps[s]["loss"], want["loss"]), (rank, s)
+    if kind == "parquet":  # resuming into a train pipeline: the same steps, bit for bit
+        for step in (5, 15):
+            for rank, res in enumerate(load_ranks(resumed, f"parquet_piped_resume{step}")):
+                assert sorted(res["steps"]) == list(range(step + 1, 19))
+                for s, got in res["steps"].items():
+                    want = full[rank]["steps"][s]
+                    assert got["fingerprint"] == want["fingerprint"], (rank, s)
+                    assert torch.equal(got["loss"], want["loss"]), (rank, s)
     # the second resume is in the second epoch
     assert full[0]["steps"][16]["epoch"] == 1
     # different ranks trained on different batches

@@ -6,7 +6,8 @@ argv[2]: a directory made by ``scripts/make_click_files.py``. For each data modu
 1. an uninterrupted fit of ``STEPS`` steps (over two epochs), checkpointing every ``EVERY``
    steps, recording every step's loss and batch fingerprint, then ``validate`` (metrics);
 2. fresh model and trainer resume from the checkpoints at ``EVERY`` (mid first epoch) and
-   ``3 * EVERY`` (mid second epoch) and run to ``STEPS``, recording the same.
+   ``3 * EVERY`` (mid second epoch) and run to ``STEPS``, recording the same;
+3. (Parquet) the same resumes with ``pipeline="sparse_dist"`` (``piped_resume{step}``).
 
 Each rank writes ``{data}_{run}_rank{r}.pt``.
 """
@@ -67,7 +68,9 @@ def make_data(kind: str) -> L.LightningDataModule:
     )
 
 
-def run(kind: str, tag: str, ckpt_path: Path | None = None) -> L.Trainer:
+def run(
+    kind: str, tag: str, ckpt_path: Path | None = None, pipeline: str | None = None
+) -> L.Trainer:
     L.seed_everything(11)
     data = make_data(kind)
     tables = len(data.num_embeddings_per_feature)
@@ -79,7 +82,7 @@ def run(kind: str, tag: str, ckpt_path: Path | None = None) -> L.Trainer:
             ModelCheckpoint(dirpath=OUT / f"{kind}_ckpts", every_n_train_steps=EVERY, save_top_k=-1)
         )
     trainer = cpu_trainer(
-        TorchRecStrategy(constraints=table_wise(tables)),
+        TorchRecStrategy(constraints=table_wise(tables), pipeline=pipeline),  # type: ignore[arg-type]
         devices=2,
         max_steps=STEPS,
         limit_val_batches=0,
@@ -110,6 +113,8 @@ def main() -> None:
         for step in (EVERY, 3 * EVERY):
             (path,) = ckpts.glob(f"*step={step}.ckpt")
             run(kind, f"resume{step}", path)
+            if kind == "parquet":
+                run(kind, f"piped_resume{step}", path, pipeline="sparse_dist")
 
 
 if __name__ == "__main__":
