@@ -33,6 +33,7 @@ BENCHMARKS = [
     "checkpoint_cost",
     "planner_scale",
     "pipeline_throughput",
+    "semi_sync_gap",
     "data_loading",
     "export_cost",
 ]
@@ -83,6 +84,31 @@ def pipeline_table(out: Path) -> list[str]:
     return [*lines, ""]
 
 
+def semi_sync_table(out: Path) -> list[str]:
+    """The semi-sync drift section of the report (empty without its result file)."""
+    r = _load(out, "semi_sync_gap")
+    if not r:
+        return []
+    g, v = r["rank0_loss_gap"], r["val"]
+    lines = [
+        "## Semi-sync: how far it drifts from synchronous training",
+        "",
+        f"2 gloo ranks, the demo DLRM and data, {r['steps']} steps with `pipeline=None` and with "
+        f'`pipeline="semi_sync"` from step {r["semi_sync_from_step"]} (tables read one update '
+        "late), then validation. Loss gap on rank 0: max |semi - sync| per step "
+        f"{g['max']:.2e}, mean {g['mean']:.2e}; max gap of the {g['moving_average_window']}-step "
+        f"moving averages {g['max_moving_average']:.2e} (mean loss {g['mean_loss_sync']:.3f}).",
+        "",
+        "| metric | synchronous | semi-sync |",
+        "|---|---|---|",
+    ]
+    for key in sorted(v["sync"]):
+        lines.append(
+            f"| {key} | {v['sync'][key]:.4f} | {v['semi_sync'].get(key, float('nan')):.4f} |"
+        )
+    return [*lines, ""]
+
+
 def table(out: Path) -> str:
     """The Markdown report of every result file present in ``out``."""
     lines = [
@@ -94,6 +120,7 @@ def table(out: Path) -> str:
         "",
     ]
     lines += pipeline_table(out)
+    lines += semi_sync_table(out)
     r = _load(out, "strategy_overhead")
     if r:
         lines += [
