@@ -10,6 +10,7 @@ outside the measured Lightning interval, on the same batches and from the same w
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -65,6 +66,53 @@ def dlrm_module(size: ModelSize) -> Any:
     )
 
 
+#: Cached datasets whose batches ``pin_cached`` pinned (value: ``id`` of the pinned ``items``).
+_PINNED: weakref.WeakKeyDictionary[CachedBatches, int] = weakref.WeakKeyDictionary()
+
+
+def pin_cached(data: CachedBatches) -> bool:
+    """Pins the cached host batches (once) so copies to a GPU can be asynchronous.
+
+    Returns whether the batches are pinned: False without CUDA, without cached batches or for a
+    batch type without ``pin_memory`` (``lightning_torchrec.data.Batch`` has one).
+    """
+    if not data.items or not torch.cuda.is_available():
+        return False
+    if _PINNED.get(data) == id(data.items):
+        return True
+    if not all(hasattr(b, "pin_memory") for b in data.items.values()):
+        return False
+    data.items = {i: b.pin_memory() for i, b in data.items.items()}
+    _PINNED[data] = id(data.items)
+    return True
+
+
+def synchronize(device: torch.device) -> None:
+    """Waits for the device's queued work (CUDA); nothing on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def versions() -> dict[str, Any]:
+    """Versions of the stack and the accelerator's name (for result files)."""
+    from importlib import metadata
+
+    out: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    for name in ("torchrec", "fbgemm-gpu", "fbgemm-gpu-cpu", "lightning", "torchmetrics"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    try:
+        import fbgemm_gpu
+
+        out["fbgemm_gpu.__version__"] = getattr(fbgemm_gpu, "__version__", None)
+    except Exception as e:  # a broken fbgemm install is worth reporting, not crashing on
+        out["fbgemm_gpu.__version__"] = f"import failed: {e!r}"
+    out["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return out
+
+
 def rank_sampler(data: CachedBatches, rank: int, world: int) -> DistributedSampler:
     """The sampler Lightning injects into a training loader (shuffled, seeded, epoch 0)."""
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=SEED)
@@ -76,14 +124,20 @@ class RawLoop:
     """A hand-written TorchRec loop: DMP, ``CombinedOptimizer``(dense Adam, fused), no Lightning.
 
     Built on the process group Lightning opened; same tables, plan constraints, fused settings and
-    loss as the Lightning module (``ModelAndLoss`` is a plain ``nn.Module``).
+    loss as the Lightning module (``ModelAndLoss`` is a plain ``nn.Module``). On CUDA the cached
+    host batches are pinned, each step copies its batch with ``non_blocking=True`` and the loss
+    stays on the device (``device_losses``; no ``item()``, so the host runs ahead); on CPU every
+    step records ``loss.item()`` in ``losses``.
 
     Args:
         size: model and data sizes.
         data: the cached batches (the same objects Lightning reads).
+        device: this rank's device (default CPU).
     """
 
-    def __init__(self, size: ModelSize, data: CachedBatches) -> None:
+    def __init__(
+        self, size: ModelSize, data: CachedBatches, device: torch.device | None = None
+    ) -> None:
         from torchrec.distributed.model_parallel import DistributedModelParallel
         from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
         from torchrec.distributed.types import ShardingEnv
@@ -95,6 +149,7 @@ class RawLoop:
         from lightning_torchrec.model_and_loss import ModelAndLoss
         from lightning_torchrec.planning import default_sharders
 
+        self.device = device = device if device is not None else torch.device("cpu")
         rank, world = dist.get_rank(), dist.get_world_size()
         ebc = EmbeddingBagCollection(
             tables=dlrm_tables([size.rows] * size.tables, size.dim, "mean", 0.1),
@@ -110,14 +165,14 @@ class RawLoop:
         )
         sharders = default_sharders(FUSED)
         planner = EmbeddingShardingPlanner(
-            topology=Topology(world_size=world, compute_device="cpu", local_world_size=world),
+            topology=Topology(world_size=world, compute_device=device.type, local_world_size=world),
             constraints=table_wise(size),
         )
         plan = planner.collective_plan(model, sharders, dist.group.WORLD)
         self.model = DistributedModelParallel(
             model,
             env=ShardingEnv.from_process_group(dist.group.WORLD),
-            device=torch.device("cpu"),
+            device=device,
             plan=plan,
             sharders=sharders,
         )
@@ -132,21 +187,32 @@ class RawLoop:
                 ("embedding", self.model.fused_optimizer),
             ]
         )
+        if device.type == "cuda":
+            pin_cached(data)
         sampler = rank_sampler(data, rank, world)
         self.batches = iter(DataLoader(data, batch_size=None, sampler=sampler))
         self.losses: list[float] = []
+        self.device_losses: list[torch.Tensor] = []
         self.times: list[tuple[int, float]] = []
 
-    def step(self) -> float:
-        """One step: next batch, zero_grad, forward, backward, optimizer step."""
+    def step(self) -> torch.Tensor:
+        """One step: next batch (copied to the device), zero_grad, forward, backward, update.
+
+        Returns the detached loss; on CPU its value is also appended to ``losses``.
+        """
         batch = next(self.batches)
+        if self.device.type != "cpu":
+            batch = batch.to(self.device, non_blocking=True)
         self.optimizer.zero_grad()
         loss, _ = self.model(batch)
         loss.backward()
         self.optimizer.step()
-        value = loss.item()
-        self.losses.append(value)
-        return value
+        detached = loss.detach()
+        if self.device.type == "cpu":
+            self.losses.append(detached.item())
+        else:
+            self.device_losses.append(detached)
+        return detached
 
     def run_block(self, block_index: int, steps: int) -> None:
         """Runs and times ``steps`` steps."""

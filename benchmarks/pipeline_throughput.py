@@ -1,24 +1,41 @@
 """Benchmark: train pipelines, raw TorchRec loops against the Trainer, side by side in one run.
 
-On 2 gloo ranks, the same DLRM, batches and optimizers, per variant: samples per second (both
-ranks together) and the step time, at the demo size and at the benchmark size (8 tables of
-100k x 64):
+By default on 2 gloo ranks (CPU); ``--accelerator cuda --devices 1`` runs one nccl rank on one GPU.
+The same DLRM, batches and optimizers, per variant: samples per second (all ranks together) and
+the step time, at the demo size and at the benchmark size (8 tables of 100k x 64):
 
 * ``raw_base``: a hand-written TorchRec loop (``benchmarks.harness.RawLoop``);
 * ``raw_sparse_dist``: the same model and optimizer driven by TorchRec's
   ``TrainPipelineSparseDist.progress``;
 * ``trainer_none`` / ``trainer_sparse_dist``: ``Trainer`` + ``TorchRecStrategy(pipeline=...)``
-  at Lightning's parity settings (no progress bar, no logger, no checkpointing).
+  at Lightning's parity settings (no progress bar, no logger, no checkpointing);
+* when ``"semi_sync"`` is one of ``lightning_torchrec.pipelines.PIPELINES``: ``raw_semi_sync``
+  (TorchRec's ``TrainPipelineSemiSync``, ``start_batch=0``) and ``trainer_semi_sync``
+  (``pipeline="semi_sync"``, ``start_batch`` 0); an error in either (TorchRec's semi-sync
+  pipeline needs CUDA) is recorded in the result instead of stopping the benchmark.
 
-Variants run one after the other, twice (A B C D A B C D), in the same processes; the first
-``--warmup`` steps of each run are dropped. Run: ``python -m benchmarks.pipeline_throughput``.
+Variants run one after the other, ``--rounds`` times (A B C D A B C D), in the same processes.
+Timing (``--timing``): ``steps`` (the CPU default) times every step on the host and drops the
+first ``--warmup`` steps of each run; ``window`` (the CUDA default: the host runs ahead of the
+GPU, so per-step host times mean nothing) times steps ``warmup .. steps-1`` of each run by wall
+clock with ``torch.cuda.synchronize()`` only at both ends, and reports samples/s =
+samples x steps / elapsed. Ratios are step time / ``raw_base``'s. The result file is rewritten
+after every run (``"complete": false`` until the end), so an interrupted run keeps what it measured.
+
+Run: ``python -m benchmarks.pipeline_throughput``; on a GPU e.g. ``python -m
+benchmarks.pipeline_throughput --accelerator cuda --devices 1 --batch-size 8192 --out DIR``.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import inspect
+import statistics
 import tempfile
 import time
+import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,42 +47,132 @@ from torch.utils.data import DataLoader
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
 from benchmarks.common import RESULTS, CachedBatches, ModelSize, stats, write_result
-from benchmarks.harness import FUSED, SEED, RawLoop, dataset, dlrm_module, rank_sampler, table_wise
+from benchmarks.harness import (
+    FUSED,
+    SEED,
+    RawLoop,
+    dataset,
+    dlrm_module,
+    pin_cached,
+    rank_sampler,
+    synchronize,
+    table_wise,
+    versions,
+)
 
 VARIANTS = ["trainer_none", "trainer_sparse_dist", "raw_base", "raw_sparse_dist"]
+SEMI_SYNC_VARIANTS = ["trainer_semi_sync", "raw_semi_sync"]
+SIZES = {"demo": ModelSize.demo, "benchmark": ModelSize, "tiny": ModelSize.tiny}
+
+
+@dataclass
+class Setup:
+    """Where and how the benchmark runs."""
+
+    accelerator: str = "cpu"
+    world: int = 2
+    timing: str = "steps"  # "steps" or "window"
+
+    def device(self) -> torch.device:
+        """This rank's device (after the first Trainer fit has selected it)."""
+        if self.accelerator == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+@dataclass
+class Run:
+    """One run of one variant: host time of every step, and the timed window."""
+
+    times: list[float] = field(default_factory=list)
+    window_s: float = 0.0
+    window_steps: int = 0
 
 
 class StepTimes(Callback):
-    """Time between consecutive ``on_train_batch_start`` calls: one full Lightning step."""
+    """Host time between consecutive ``on_train_batch_start`` calls (one full Lightning step),
+    and the window from the start of step ``warmup`` to ``on_train_end`` (synchronised on CUDA).
+    """
 
-    def __init__(self, data: CachedBatches) -> None:
+    def __init__(self, data: CachedBatches, warmup: int = 0, profile: Any = None) -> None:
         self.data = data
+        self.warmup = warmup
+        self.profile = profile
         self.last: float | None = None
         self.times: list[float] = []
+        self.window_start: float | None = None
+        self.window_s = 0.0
+        self.window_steps = 0
+        self.device = torch.device("cpu")
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if not self.data.items:
-            self.data.prepare(list(rank_sampler(self.data, trainer.global_rank, 2)))
+            sampler = rank_sampler(self.data, trainer.global_rank, trainer.world_size)
+            self.data.prepare(list(sampler))
+        self.device = trainer.strategy.root_device
+        if self.device.type == "cuda":
+            pin_cached(self.data)
 
-    def on_train_batch_start(self, *args: Any) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         now = time.perf_counter()
         if self.last is not None:
             self.times.append(now - self.last)
         self.last = now
+        if batch_idx == self.warmup:
+            synchronize(self.device)
+            self.window_start = time.perf_counter()
+            if self.profile is not None:
+                self.profile.enable()
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.window_start is not None:
+            synchronize(self.device)
+            if self.profile is not None:
+                self.profile.disable()
+            self.window_s = time.perf_counter() - self.window_start
+            self.window_steps = trainer.global_step - self.warmup
+
+
+def strategy_kwargs(pipeline: str | None) -> dict[str, Any]:
+    """``pipeline_options`` that start semi-sync at once (when the strategy takes them)."""
+    from lightning_torchrec import TorchRecStrategy
+
+    takes = "pipeline_options" in inspect.signature(TorchRecStrategy.__init__).parameters
+    if pipeline == "semi_sync" and takes:
+        return {"pipeline_options": {"start_batch": 0}}
+    return {}
 
 
 def trainer_run(
-    size: ModelSize, data: CachedBatches, steps: int, pipeline: str | None
-) -> list[float]:
-    """One Trainer fit of ``steps`` steps; the step times."""
+    size: ModelSize,
+    data: CachedBatches,
+    steps: int,
+    pipeline: str | None,
+    setup: Setup | None = None,
+    warmup: int = 0,
+    profile: Any = None,
+    **strategy_extra: Any,
+) -> Run:
+    """One Trainer fit of ``steps`` steps; its step times and timed window.
+
+    ``profile``: a ``cProfile.Profile`` enabled over the timed window; ``strategy_extra`` goes to
+    ``TorchRecStrategy``.
+    """
     from lightning_torchrec import TorchRecStrategy
 
-    timer = StepTimes(data)
+    setup = setup or Setup()
+    timer = StepTimes(data, warmup, profile)
     trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
+        accelerator=setup.accelerator,
+        devices=setup.world,
         strategy=TorchRecStrategy(
-            fused_params=FUSED, constraints=table_wise(size), pipeline=pipeline, log_plan=False
+            fused_params=FUSED,
+            constraints=table_wise(size),
+            pipeline=pipeline,  # type: ignore[arg-type]
+            log_plan=False,
+            **(strategy_kwargs(pipeline) | strategy_extra),
         ),
         max_steps=steps,
         logger=False,
@@ -77,80 +184,279 @@ def trainer_run(
         callbacks=[timer],
     )
     trainer.fit(dlrm_module(size), train_dataloaders=DataLoader(data, batch_size=None))
-    return timer.times
+    return Run(timer.times, timer.window_s, timer.window_steps)
 
 
-def raw_run(size: ModelSize, data: CachedBatches, steps: int, pipelined: bool) -> list[float]:
-    """``steps`` steps of a raw TorchRec loop, plain or through ``TrainPipelineSparseDist``."""
+def raw_run(
+    size: ModelSize,
+    data: CachedBatches,
+    steps: int,
+    pipelined: bool | str,
+    setup: Setup | None = None,
+    warmup: int = 0,
+    profile: Any = None,
+) -> Run:
+    """``steps`` steps of a raw TorchRec loop: plain, ``TrainPipelineSparseDist`` or semi-sync.
+
+    ``pipelined``: False (plain), True or ``"sparse_dist"``, or ``"semi_sync"``.
+    """
+    setup = setup or Setup()
     if not data.items:
         data.prepare(list(rank_sampler(data, dist.get_rank(), dist.get_world_size())))
-    raw = RawLoop(size, data)
-    times: list[float] = []
-    if not pipelined:
-        for _ in range(steps):
-            start = time.perf_counter()
-            raw.step()
-            times.append(time.perf_counter() - start)
-        return times
-    pipeline = TrainPipelineSparseDist(raw.model, raw.optimizer, torch.device("cpu"))
-    for _ in range(steps):
+    device = setup.device()
+    raw = RawLoop(size, data, device)
+    kind = "sparse_dist" if pipelined is True else (pipelined or "base")
+    pipeline: Any = None
+    if kind == "sparse_dist":
+        pipeline = TrainPipelineSparseDist(raw.model, raw.optimizer, device)
+    elif kind == "semi_sync":
+        # Not exported by the package torchrec.distributed.train_pipeline (1.6.1 through 1.9).
+        from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSemiSync
+
+        pipeline = TrainPipelineSemiSync(raw.model, raw.optimizer, device, start_batch=0)
+    elif kind != "base":
+        raise ValueError(f"unknown raw loop {pipelined!r}")
+
+    def step() -> Any:
+        return raw.step() if pipeline is None else pipeline.progress(raw.batches)
+
+    run = Run()
+    window_start = time.perf_counter()
+    for i in range(steps):
+        if i == warmup:
+            synchronize(device)
+            window_start = time.perf_counter()
+            if profile is not None:
+                profile.enable()
         start = time.perf_counter()
-        pipeline.progress(raw.batches)
-        times.append(time.perf_counter() - start)
-    return times
+        step()
+        run.times.append(time.perf_counter() - start)
+    synchronize(device)
+    if profile is not None:
+        profile.disable()
+    run.window_s = time.perf_counter() - window_start
+    run.window_steps = steps - warmup
+    return run
 
 
-def measure(size: ModelSize, steps: int, warmup: int, rounds: int) -> dict[str, Any]:
-    """Every variant, ``rounds`` times in turn, on one size."""
-    data = dataset(size, 2 * (steps + 4))
-    runs: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    for _ in range(rounds):
-        for variant in VARIANTS:
-            L.seed_everything(SEED, verbose=False)
-            if variant.startswith("trainer"):
-                pipeline = None if variant == "trainer_none" else "sparse_dist"
-                times = trainer_run(size, data, steps, pipeline)
-            else:
-                times = raw_run(size, data, steps, variant == "raw_sparse_dist")
-            runs[variant] += times[warmup:]
-    samples = 2 * size.batch_size
+def variants_to_run(semi_sync: str) -> list[str]:
+    """The variants; semi-sync ones when asked (``yes``) or the strategy has it (``auto``)."""
+    from lightning_torchrec.pipelines import PIPELINES
+
+    wanted = semi_sync == "yes" or (semi_sync == "auto" and "semi_sync" in PIPELINES)
+    return VARIANTS + (SEMI_SYNC_VARIANTS if wanted else [])
+
+
+def run_variant(
+    variant: str, size: ModelSize, data: CachedBatches, steps: int, warmup: int, setup: Setup
+) -> Run:
+    """One run of ``variant``."""
+    pipeline = variant.split("_", 1)[1]
+    if variant.startswith("trainer"):
+        return trainer_run(
+            size, data, steps, None if pipeline == "none" else pipeline, setup, warmup
+        )
+    return raw_run(size, data, steps, False if pipeline == "base" else pipeline, setup, warmup)
+
+
+def summarize(
+    runs: dict[str, list[Run]],
+    errors: dict[str, str],
+    size: ModelSize,
+    steps: int,
+    warmup: int,
+    rounds: int,
+    setup: Setup,
+) -> dict[str, Any]:
+    """The result of one size from the runs so far."""
+    samples = setup.world * size.batch_size
     out: dict[str, Any] = {"size": size.to_dict(), "steps_per_run": steps, "rounds": rounds}
-    base = stats(runs["raw_base"])["median"]
-    for variant, times in runs.items():
-        s = stats(times)
-        out[variant] = {
-            "step_s": s,
-            "samples_per_s": samples / s["median"],
-            "ratio_to_raw_base": s["median"] / base,
-        }
+    if setup.timing == "window":
+        out["timed_steps_per_run"] = steps - warmup
+    per_variant: dict[str, dict[str, Any]] = {}
+    for variant, done in runs.items():
+        if not done:
+            continue
+        if setup.timing == "steps":
+            s = stats([t for r in done for t in r.times[warmup:]])
+            per_variant[variant] = {"step_s": s, "samples_per_s": samples / s["median"]}
+        else:
+            rates = [samples * r.window_steps / r.window_s for r in done]
+            per_variant[variant] = {
+                "step_s": stats([r.window_s / r.window_steps for r in done]),
+                "samples_per_s": statistics.median(rates),
+                "samples_per_s_runs": rates,
+                "window_s": [r.window_s for r in done],
+                "host_step_s": stats([t for r in done for t in r.times[warmup:]]),
+            }
+    base = per_variant.get("raw_base")
+    for variant, v in per_variant.items():
+        if base is not None:
+            if setup.timing == "steps":
+                v["ratio_to_raw_base"] = v["step_s"]["median"] / base["step_s"]["median"]
+            else:
+                v["ratio_to_raw_base"] = base["samples_per_s"] / v["samples_per_s"]
+                v["samples_per_s_ratio_to_raw_base"] = v["samples_per_s"] / base["samples_per_s"]
+        out[variant] = v
+    for variant, error in errors.items():
+        out[variant] = {"error": error}
     return out
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+def measure(
+    size: ModelSize,
+    steps: int,
+    warmup: int,
+    rounds: int,
+    setup: Setup | None = None,
+    variants: list[str] | None = None,
+    report: Any = None,
+) -> dict[str, Any]:
+    """Every variant, ``rounds`` times in turn, on one size.
+
+    ``report(partial)`` is called with the size's result after every run. Errors of the
+    semi-sync variants are recorded (the variant is then skipped); others propagate.
+    """
+    setup = setup or Setup()
+    variants = variants or VARIANTS
+    data = dataset(size, setup.world * (steps + 4))
+    runs: dict[str, list[Run]] = {v: [] for v in variants}
+    errors: dict[str, str] = {}
+    for _ in range(rounds):
+        for variant in variants:
+            if variant in errors:
+                continue
+            L.seed_everything(SEED, verbose=False)
+            try:
+                runs[variant].append(run_variant(variant, size, data, steps, warmup, setup))
+            except Exception as e:
+                if variant not in SEMI_SYNC_VARIANTS:
+                    raise
+                errors[variant] = f"{type(e).__name__}: {e}"[:2000]
+                print(f"{variant} failed: {errors[variant]}\n{traceback.format_exc()}")
+            if setup.accelerator == "cuda":
+                gc.collect()
+                torch.cuda.empty_cache()
+            if report is not None:
+                report(summarize(runs, errors, size, steps, warmup, rounds, setup))
+    return summarize(runs, errors, size, steps, warmup, rounds, setup)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke test)")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--rounds", type=int, default=2)
-    args = p.parse_args(argv)
-    torch.set_num_threads(1)
-    sizes = (
-        {"tiny": ModelSize.tiny()}
-        if args.quick
-        else {
-            "demo": ModelSize.demo(),
-            "benchmark": ModelSize(),
-        }
+    p.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--devices", type=int, default=2, help="ranks (one per device on CUDA)")
+    p.add_argument(
+        "--sizes", default=None, help="comma list of demo,benchmark,tiny (default: demo,benchmark)"
     )
+    p.add_argument(
+        "--batch-size",
+        default=None,
+        help="batch size per rank: one value for every size, or a comma list (one per size)",
+    )
+    p.add_argument(
+        "--timing",
+        choices=["auto", "steps", "window"],
+        default="auto",
+        help="auto: window on CUDA, steps on CPU",
+    )
+    p.add_argument(
+        "--semi-sync",
+        choices=["auto", "yes", "no"],
+        default="auto",
+        help="semi-sync variants: auto = when lightning_torchrec.pipelines.PIPELINES has it",
+    )
+    return p.parse_args(argv)
+
+
+def sizes_of(args: argparse.Namespace) -> dict[str, ModelSize]:
+    """The sizes to measure (``--sizes``, ``--quick``), with ``--batch-size`` applied."""
+    names = (
+        args.sizes.split(",") if args.sizes else (["tiny"] if args.quick else ["demo", "benchmark"])
+    )
+    unknown = [n for n in names if n not in SIZES]
+    if unknown:
+        raise SystemExit(f"unknown sizes {unknown}; choose from {sorted(SIZES)}")
+    sizes = {n: SIZES[n]() for n in names}
+    if args.batch_size:
+        batches = [int(b) for b in str(args.batch_size).split(",")]
+        if len(batches) not in (1, len(sizes)):
+            raise SystemExit(f"--batch-size: give 1 or {len(sizes)} values, got {batches}")
+        for size, batch in zip(sizes.values(), batches * len(sizes), strict=False):
+            size.batch_size = batch
+    return sizes
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    args = parse(argv)
+    if args.accelerator == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--accelerator cuda: no CUDA device is visible")
+    timing = (
+        args.timing
+        if args.timing != "auto"
+        else ("window" if args.accelerator == "cuda" else "steps")
+    )
+    setup = Setup(args.accelerator, args.devices, timing)
+    if args.accelerator == "cpu":
+        torch.set_num_threads(1)
+    sizes = sizes_of(args)
     steps, warmup = (8, 2) if args.quick else (args.steps, args.warmup)
     rounds = 1 if args.quick else args.rounds
-    result: dict[str, Any] = {"world_size": 2, "plan": "table_wise", "sizes": {}}
-    for name, size in sizes.items():
-        result["sizes"][name] = measure(size, steps, warmup, rounds)
+    if not 0 <= warmup < steps:
+        raise SystemExit(f"--warmup must be in [0, --steps), got {warmup} and {steps}")
+    variants = variants_to_run(args.semi_sync)
+    if args.accelerator == "cuda":
+        name = "pipeline_throughput_cuda"
+    elif setup.world == 2:
+        name = "pipeline_throughput"
+    else:
+        name = f"pipeline_throughput_cpu{setup.world}"
+    result: dict[str, Any] = {
+        "world_size": setup.world,
+        "accelerator": setup.accelerator,
+        "plan": "table_wise",
+        "timing": timing,
+        "variants": variants,
+        "versions": versions(),
+        "complete": False,
+        "sizes": {},
+    }
+
+    def write(size_name: str, partial: dict[str, Any]) -> None:
+        result["sizes"][size_name] = partial
+        if dist.is_available() and dist.is_initialized() and dist.get_rank() == 0:
+            write_result(name, result, args.out)
+
+    for size_name, size in sizes.items():
+        print(f"pipeline_throughput: size {size_name} {size.to_dict()}", flush=True)
+        result["sizes"][size_name] = measure(
+            size,
+            steps,
+            warmup,
+            rounds,
+            setup,
+            variants,
+            report=lambda partial, n=size_name: write(n, partial),
+        )
     if dist.get_rank() != 0:
         return None
-    write_result("pipeline_throughput", result, args.out)
+    result["complete"] = True
+    path = write_result(name, result, args.out)
+    print(f"pipeline_throughput: wrote {path}")
+    for size_name, sized in result["sizes"].items():
+        for variant in variants:
+            v = sized.get(variant, {})
+            shown = (
+                f"{v['samples_per_s']:.0f} samples/s, ratio {v.get('ratio_to_raw_base', 0):.3f}"
+                if "samples_per_s" in v
+                else v.get("error", "not run")[:200]
+            )
+            print(f"  {size_name:9s} {variant:20s} {shown}")
     return result
 
 

@@ -84,6 +84,79 @@ def pipeline_table(out: Path) -> list[str]:
     return [*lines, ""]
 
 
+GPU_VARIANTS = [
+    "raw_base",
+    "raw_sparse_dist",
+    "raw_semi_sync",
+    "trainer_none",
+    "trainer_sparse_dist",
+    "trainer_semi_sync",
+]
+
+
+def gpu_table(out: Path) -> list[str]:
+    """The GPU section (one H100, world size 1): throughput, checks, step profile."""
+    runs = [
+        r
+        for r in (
+            _load(out, "pipeline_throughput_cuda"),
+            _load(out, "pipeline_throughput_cuda_65536"),
+        )
+        if r
+    ]
+    if not runs:
+        return []
+    v = runs[0]["versions"]
+    lines = [
+        "## On a GPU: one H100, world size 1 (nccl)",
+        "",
+        f"{v.get('device')}, torch {v.get('torch')}, torchrec {v.get('torchrec')}, fbgemm-gpu "
+        f"{v.get('fbgemm-gpu')}, lightning {v.get('lightning')}. Throughput from a timed window "
+        "(synchronised at both ends) after a warm-up; batches pinned; the raw loops keep losses "
+        "on the GPU. The Trainer runs at parity settings with the strategy's defaults (batch "
+        "checks and the loss guard on). `python -m benchmarks.pipeline_throughput "
+        "--accelerator cuda --devices 1 ...` (`scripts/gpu_run.sh`).",
+        "",
+        "| model | variant | samples/s | ratio to raw base |",
+        "|---|---|---|---|",
+    ]
+    for r in runs:
+        for name, sized in r["sizes"].items():
+            for variant in GPU_VARIANTS:
+                x = sized.get(variant)
+                if isinstance(x, dict) and "samples_per_s" in x:
+                    lines.append(
+                        f"| {name}: {_size(sized['size'])} | {variant} | "
+                        f"{x['samples_per_s']:,.0f} | {x['ratio_to_raw_base']:.2f} |"
+                    )
+    lines += [
+        "",
+        "Reading: the strategy adds no GPU-to-host synchronisation (sync audit below: the "
+        "remaining ones are TorchRec's own input-dist and recat syncs). The Trainer is host-bound "
+        "at these sizes: a raw step is 5 ms of host work for a GPU that finishes it as fast, "
+        "while Lightning's step costs about 5 ms more on the host (`trainer_none_nochecks` in the "
+        "profile), and the strategy's host-side batch check (every id of every step: 2.6M ids "
+        "at batch 16384, 10.5M at 65536) costs 1.5 to 30 ms per step depending on the machine's "
+        "CPU thread pool (the two profiles, same code, two machines). `validate_batches=N` "
+        "(check the first N steps) or `False` takes it off the critical path once the data "
+        "is trusted. Raw TorchRec's sparse-dist pipeline gains 19% at batch 65536.",
+    ]
+    checks = _load(out, "cuda_checks")
+    if checks:
+        lines += ["", "| CUDA check | result |", "|---|---|"]
+        for c in checks["checks"]:
+            lines.append(f"| {c['name']} | {'pass' if c['ok'] else 'FAIL'}: {c['summary']} |")
+    for name in ("step_profile_cuda", "step_profile_cuda_rerun"):
+        prof = _load(out, name)
+        if prof:
+            steps = ", ".join(f"{k} {p['ms_per_step']:.1f} ms" for k, p in prof["variants"].items())
+            lines += [
+                "",
+                f"Host step under cProfile ({name}, batch {prof['size']['batch_size']}): {steps}.",
+            ]
+    return [*lines, ""]
+
+
 def semi_sync_table(out: Path) -> list[str]:
     """The semi-sync drift section of the report (empty without its result file)."""
     r = _load(out, "semi_sync_gap")
@@ -121,6 +194,7 @@ def table(out: Path) -> str:
     ]
     lines += pipeline_table(out)
     lines += semi_sync_table(out)
+    lines += gpu_table(out)
     r = _load(out, "strategy_overhead")
     if r:
         lines += [
