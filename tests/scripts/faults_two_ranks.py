@@ -2,10 +2,10 @@
 
 ``python faults_two_ranks.py OUT MODE`` with MODE:
 
-* ``phases``: one launch, several trainers: (1) only rank 1 gets a batch with an out-of-range id
-  at step 2; (2) only rank 1's loss is NaN at step 3; (3) only rank 1's table turns NaN just
-  before the
-  second checkpoint. Each rank records what it raised in ``{phase}_rank{r}.pt``.
+* ``phases``: one launch, several trainers: (1) only rank 1's loader yields a batch with an
+  out-of-range id at step 2; (2) only rank 1's loss is NaN at step 3; (3) only rank 1's table
+  turns NaN just before the second checkpoint. Each rank records what it raised in
+  ``{phase}_rank{r}.pt``.
 * ``kill``: rank 1 SIGKILLs itself at step 3; rank 0 must exit non-zero within the timeout.
 * ``preempt``: rank 1 receives SIGTERM at step 5: every rank saves ``OUT/preempted.ckpt`` and
   exits; ``resume`` (or ``phases``, first, when that checkpoint exists) continues from it to
@@ -56,12 +56,28 @@ class RankOneFault(Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, i: int) -> None:
         if trainer.global_rank != 1 or trainer.global_step != self.at:
             return
-        if self.fault == "bad_id":
-            batch.sparse_features.values()[3] = ROWS + 7
-        elif self.fault == "kill":
+        if self.fault == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif self.fault == "sigterm":
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+class BadIdOnRankOne:
+    """The training batches, with an out-of-range id in rank 1's batch ``at`` (as drawn: the
+    strategy checks batches when they leave the loader)."""
+
+    def __init__(self, loader: Any, at: int) -> None:
+        self.loader, self.at = loader, at
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Any:
+        rank = torch.distributed.get_rank()
+        for i, batch in enumerate(self.loader):
+            if rank == 1 and i == self.at:
+                batch.sparse_features.values()[3] = ROWS + 7
+            yield batch
 
 
 class NanTableBeforeSave(Callback):
@@ -108,7 +124,12 @@ def run(
     )
     result: dict[str, Any] = {"error": None, "message": ""}
     try:
-        trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+        if fault == "bad_id":
+            data.setup("fit")
+            loader = BadIdOnRankOne(data.train_dataloader(), at)
+            trainer.fit(model, train_dataloaders=loader, ckpt_path=ckpt_path)
+        else:
+            trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
     except Exception as e:  # recorded for the parent's assertions
         result = {"error": type(e).__name__, "message": str(e)}
         if MODE == "kill":
