@@ -213,7 +213,12 @@ def raw_run(
         # Not exported by the package torchrec.distributed.train_pipeline (1.6.1 through 1.9).
         from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSemiSync
 
-        pipeline = TrainPipelineSemiSync(raw.model, raw.optimizer, device, start_batch=0)
+        from lightning_torchrec.compat_pipelines import StagedSemiSync
+
+        # On CPU, TorchRec's own progress() fails on CUDA-stream calls: its subclass with the
+        # CPU fixes runs the same progress() there.
+        semi = StagedSemiSync if device.type == "cpu" else TrainPipelineSemiSync
+        pipeline = semi(raw.model, raw.optimizer, device, start_batch=0)
     elif kind != "base":
         raise ValueError(f"unknown raw loop {pipelined!r}")
 

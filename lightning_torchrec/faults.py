@@ -23,12 +23,10 @@ from typing import Any
 
 import torch
 
-from lightning_torchrec.batch_checks import check_batch, validate_batch
-from lightning_torchrec.check_ahead import CheckAhead
+from lightning_torchrec.batch_checks import check_batch
 from lightning_torchrec.compat import ShardedTensor
 from lightning_torchrec.distributed import agree, all_gather, rank_and_world_size
 from lightning_torchrec.errors import (
-    BatchValidationError,
     NonFiniteLossError,
     PeerFailureError,
     RankFailureError,
@@ -76,44 +74,21 @@ class StepGuard:
         self._pending: tuple[int, torch.Tensor] | None = None
         self._host_loss: torch.Tensor | None = None
         self._copied: Any = None
-        #: Checks started in the background as batches leave their loaders (used while
-        #: ``validate_batches`` is True).
-        self.ahead = CheckAhead(self.problem)
 
     def _checks(self, index: int) -> bool:
         return self.validate_batches is True or index < self.validate_batches
-
-    def problem(self, batch: Any) -> str | None:
-        """What is wrong with a batch (see ``lightning_torchrec.batch_checks``), if anything.
-
-        Args:
-            batch: a host batch.
-
-        Returns:
-            The problem, or None for a good batch.
-        """
-        try:
-            validate_batch(batch, self.specs, self.dense_width)
-        except BatchValidationError as e:
-            return str(e)
-        return None
-
-    def _one(self, batch: Any, where: str) -> Exception | None:
-        if self.validate_batches is True:
-            found, problem = self.ahead.take(batch)
-            if found:
-                return None if problem is None else BatchValidationError(f"{where}: {problem}")
-        return check_batch(batch, self.specs, self.dense_width, where)
 
     def _verdict(
         self, batch: Any, where: str, ahead: list[tuple[int, Any]] | None = None
     ) -> Exception | None:
         rank, _ = rank_and_world_size()
         if ahead is None:
-            return self._one(batch, f"rank {rank}, {where}")
+            return check_batch(batch, self.specs, self.dense_width, f"rank {rank}, {where}")
         for index, early in ahead:
-            found = self._one(
+            found = check_batch(
                 early,
+                self.specs,
+                self.dense_width,
                 f"rank {rank}, batch {index} of the epoch (checked at {where}, before the "
                 "train pipeline sends it ahead)",
             )

@@ -87,8 +87,7 @@ class TorchRecStrategy(DataHooks, ShardedCheckpointing, DDPStrategy):
             range, known keys, lengths, dtypes, finite dense features; see
             ``lightning_torchrec.batch_checks``); an int ``N`` checks the first ``N`` training
             steps (and evaluation batches) only, False never. Costs one vectorised pass over
-            the ids (with True: on a background thread as each batch leaves its dataloader,
-            see ``lightning_torchrec.check_ahead``) and one tiny ``all_reduce`` per step.
+            the ids and one tiny ``all_reduce`` per checked step.
         on_nonfinite_loss: ``"raise"``: a NaN/inf loss on any rank raises a
             ``NonFiniteLossError`` naming the step and ranks on every rank, at the next step's
             check (see ``lightning_torchrec.faults.StepGuard``; checkpoints refuse non-finite
@@ -398,7 +397,6 @@ class TorchRecStrategy(DataHooks, ShardedCheckpointing, DDPStrategy):
         # Keep the sharded model: a later trainer.validate/test/predict reuses it. Lightning's
         # default would move every table to CPU (and fails on meta tables after an early error).
         assert self.cluster_environment is not None
-        self._guard.ahead.close()
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         assert self.accelerator is not None

@@ -2,10 +2,9 @@
 
 Sharded tables run collectives in every step, so a rank with fewer batches would leave the others
 waiting: known batch counts are compared when training, validation, test and predict start
-(unknown ones batch by batch, in the step's collective). Batches are checked on a background
-thread as they leave their dataloaders (:mod:`lightning_torchrec.check_ahead`); dataloaders are
-handed to the train and evaluation pipelines when ``pipeline`` is set, and the restored epoch
-reaches the sampler before the first iterator exists.
+(unknown ones batch by batch, in the step's collective). Dataloaders are handed to the train and
+evaluation pipelines when ``pipeline`` is set, and the restored epoch reaches the sampler before
+the first iterator exists.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ class DataHooks:
 
     lightning_module: Any
     pipeline: str | None
-    _guard: Any
     _pipelines: StagePipelines | None
     _collective: Any
     _stage_pipelines: Any
@@ -77,8 +75,6 @@ class DataHooks:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             set_sampler_epoch(dataloader, processed_epochs(trainer))
-        if self._guard.validate_batches is True:  # checked in the background as drawn
-            dataloader = self._guard.ahead.feed(dataloader)
         if trainer is not None and self.pipeline is not None:
             return self._stage_pipelines().feed(dataloader, trainer.training)
         return dataloader

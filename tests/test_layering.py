@@ -26,7 +26,7 @@ LAYERS: list[set[str]] = [
     {"distributed"},
     {"tables", "checkpoint_files"},
     {"layout", "plan_summary", "key_order", "sharders", "batch_checks", "safe_load"},
-    {"pipeline_feed", "check_ahead"},
+    {"pipeline_feed"},
     {"setup_checks", "norms", "ebc_norms", "faults", "optim", "model_and_loss", "metrics"},
     {
         "planning",
