@@ -139,7 +139,9 @@ def gpu_table(out: Path) -> list[str]:
         "at batch 16384, 10.5M at 65536) costs 1.5 to 30 ms per step depending on the machine's "
         "CPU thread pool (the two profiles, same code, two machines). `validate_batches=N` "
         "(check the first N steps) or `False` takes it off the critical path once the data "
-        "is trusted. Raw TorchRec's sparse-dist pipeline gains 19% at batch 65536.",
+        "is trusted (running it on a background thread was tried and measured: no gain, "
+        "`*_background_checks.json`). Raw TorchRec's sparse-dist pipeline gains 19-29% at "
+        "batch 65536; at 16384 and below it costs more than it overlaps on one GPU.",
     ]
     checks = _load(out, "cuda_checks")
     if checks:

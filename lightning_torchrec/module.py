@@ -10,7 +10,6 @@ import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torchmetrics.classification import BinaryAUROC
-from torchrec.streamable import Pipelineable
 
 from lightning_torchrec.checkpoint import load_unsharded
 from lightning_torchrec.metrics import RecMetrics
@@ -163,29 +162,6 @@ class TorchRecModule(L.LightningModule):
         return super().load_from_checkpoint(
             checkpoint_path, map_location, hparams_file, strict, weights_only, **kwargs
         )
-
-    def transfer_batch_to_device(
-        self, batch: Any, device: torch.device, dataloader_idx: int
-    ) -> Any:
-        """Copies a batch to the device; TorchRec batches without waiting on an accelerator.
-
-        Lightning calls ``batch.to(device)`` on objects that are not tensors, which for a
-        TorchRec ``Pipelineable`` (``Batch``, ``KeyedJaggedTensor``) is a blocking copy: the host
-        waits for the GPU queue every step. Such batches are copied with ``non_blocking=True``
-        to an accelerator (asynchronous from pinned memory; the copy is ordered before the step
-        on the same stream). Anything else goes through Lightning's default.
-
-        Args:
-            batch: the host batch.
-            device: the target device.
-            dataloader_idx: the dataloader's index.
-
-        Returns:
-            The batch on ``device``.
-        """
-        if device.type != "cpu" and isinstance(batch, Pipelineable):
-            return batch.to(device=device, non_blocking=True)
-        return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
     def forward(self, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
         """Runs ``ModelAndLoss`` on a batch.

@@ -9,6 +9,19 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
 
 
+def host_to_accelerator(source: torch.device, target: torch.device) -> bool:
+    """Whether a copy from ``source`` to ``target`` goes from the host to an accelerator.
+
+    Args:
+        source: where the tensors are.
+        target: where they go.
+
+    Returns:
+        True for a CPU-to-accelerator copy (safe to issue without blocking).
+    """
+    return source.type == "cpu" and target.type not in ("cpu", "meta")
+
+
 @dataclass
 class Batch(Pipelineable):
     """A recommendation batch in TorchRec's layout, with optional per-sample weights.
@@ -28,16 +41,22 @@ class Batch(Pipelineable):
     labels: torch.Tensor
     weights: torch.Tensor | None = None
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+    def to(self, device: torch.device | str, non_blocking: bool | None = None) -> Batch:
         """Moves every tensor of the batch to ``device``.
 
         Args:
             device: the target device.
-            non_blocking: passed to ``Tensor.to``.
+            non_blocking: passed to ``Tensor.to``; None (the default) means True from the host
+                to an accelerator and False otherwise. Lightning moves a batch with
+                ``batch.to(device)``: a blocking copy would make the host wait for the GPU
+                queue at every step, while a non-blocking one from pinned memory is queued
+                before the step's kernels on the same stream.
 
         Returns:
             A new batch on ``device``.
         """
+        if non_blocking is None:
+            non_blocking = host_to_accelerator(self.dense_features.device, torch.device(device))
         return Batch(
             dense_features=self.dense_features.to(device=device, non_blocking=non_blocking),
             sparse_features=self.sparse_features.to(device=device, non_blocking=non_blocking),
