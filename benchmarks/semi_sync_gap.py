@@ -37,23 +37,24 @@ def train(pipeline: str | None, steps: int, start: int, quick: bool) -> dict[str
     from lightning_torchrec import DLRMClickModule, SyntheticClickData, TorchRecStrategy
 
     L.seed_everything(SEED, verbose=False)
-    rows, tables, batch = (100, 4, 64) if quick else (10_000, 8, 512)
+    # The demo's model and data (``make demo``): 8 tables of 200 rows, 2 ids per feature.
+    tables, batch = (4, 64) if quick else (8, 512)
     data = SyntheticClickData(
-        num_embeddings=rows,
+        num_embeddings=200,
         num_sparse_features=tables,
+        ids_per_feature=2,
         batch_size=batch,
         train_batches=steps * 2,
         val_batches=4 if quick else 20,
         seed=SEED,
     )
-    model = DLRMClickModule(
-        [rows] * tables, embedding_dim=16 if quick else 64, train_metrics_every_n_steps=0
-    )
+    model = DLRMClickModule([200] * tables, train_metrics_every_n_steps=0)
     losses = Losses()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
         strategy=TorchRecStrategy(
+            fused_params={"learning_rate": 0.1},  # the demo's
             pipeline=pipeline,  # type: ignore[arg-type]
             pipeline_options={"start_batch": start} if pipeline else None,
             log_plan=False,
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke test)")
     p.add_argument("--out", type=Path, default=RESULTS)
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--start", type=int, default=0, help="semi-sync from this step")
     args = p.parse_args(argv)
     steps = 12 if args.quick else args.steps
