@@ -136,13 +136,22 @@ class SparseDistPipeline:
         self.checked = False
         self.dropped = False
 
-    def _make(self, model: nn.Module, device: torch.device) -> ForwardOnlySparseDist:
-        return ForwardOnlySparseDist(
+    #: The TorchRec pipeline class, and its arguments beyond the common ones.
+    _kind: type[ForwardOnlySparseDist | StagedSemiSync] = ForwardOnlySparseDist
+
+    def _options(self) -> dict[str, Any]:
+        return {}
+
+    def _make(
+        self, model: nn.Module, device: torch.device
+    ) -> ForwardOnlySparseDist | StagedSemiSync:
+        return self._kind(
             model=model,
             optimizer=_NoOptimizer(),  # type: ignore[arg-type]
             device=device,
             execute_all_batches=True,
             custom_model_fwd=self._forward,
+            **self._options(),
         )
 
     def _progress(self, iterator: Iterator[Any]) -> Any:
@@ -304,15 +313,10 @@ class SemiSyncPipeline(SparseDistPipeline):
         self._global_step = global_step
         super().__init__(model, device)
 
-    def _make(self, model: nn.Module, device: torch.device) -> StagedSemiSync:  # type: ignore[override]
-        return StagedSemiSync(
-            model=model,
-            optimizer=_NoOptimizer(),  # type: ignore[arg-type]
-            device=device,
-            execute_all_batches=True,
-            start_batch=self.start_batch,
-            custom_model_fwd=self._forward,
-        )
+    _kind = StagedSemiSync
+
+    def _options(self) -> dict[str, Any]:
+        return {"start_batch": self.start_batch}
 
     def _progress(self, iterator: Iterator[Any]) -> Any:
         semi_sync = self._global_step() >= self.start_batch
