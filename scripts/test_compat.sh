@@ -23,6 +23,7 @@ TESTS=(
     tests/test_trust_training.py
     tests/test_trust_checkpoint.py
     tests/test_pipeline.py
+    tests/test_pipeline_features.py
     tests/test_key_order.py
 )
 

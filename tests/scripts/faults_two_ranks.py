@@ -165,3 +165,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Shut the process group down before the interpreter exits: with torch 2.11, gloo's
+    # threads left from the failed phases occasionally aborted the exit ("terminate called
+    # without an active exception", SIGABRT) after every phase had passed.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
