@@ -8,6 +8,7 @@ torchrec 1.6.1-1.9, fbgemm-gpu(-cpu) 1.6-1.9, lightning 2.6.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import warnings
@@ -30,6 +31,7 @@ from typing_extensions import override
 __all__ = [
     "ResultsOnlyLauncher",
     "TORCH_LAYOUT_DECODER",
+    "UPSTREAM_LOG_RECORDS",
     "UPSTREAM_WARNINGS",
     "filter_upstream_warnings",
     "fused_kernels",
@@ -257,11 +259,38 @@ UPSTREAM_WARNINGS: list[tuple[str, type[Warning], str, str]] = [
         "fbgemm-gpu-cpu registers no CPU autograd kernel for data-parallel tables; the update is "
         "still exact (tests/test_strategy.py::test_data_parallel_tables_train_exactly_like_torch).",
     ),
+    (
+        r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        FutureWarning,
+        r"lightning\.pytorch\.utilities\._pytree",
+        "Lightning 2.6's _pytree helper tests isinstance(treespec, LeafSpec), which torch 2.13 "
+        "deprecates (it still works).",
+    ),
+]
+
+#: Log records of dependencies silenced the same way: (logger, message start, why).
+UPSTREAM_LOG_RECORDS: list[tuple[str, str, str]] = [
+    (
+        "torch.fx._symbolic_trace",
+        "is_fx_tracing will return true for both",
+        "TorchRec's sharded modules call torch.fx's is_fx_tracing() in every forward; torch 2.13 "
+        "logs once per process that its meaning widened (TorchRec does not trace there).",
+    ),
 ]
 
 
+class _DropRecords:
+    """A logging filter dropping records whose message starts with one of ``starts``."""
+
+    def __init__(self, starts: list[str]) -> None:
+        self.starts = tuple(starts)
+
+    def filter(self, record: Any) -> bool:
+        return not str(record.msg).startswith(self.starts)
+
+
 def filter_upstream_warnings() -> None:
-    """Silences :data:`UPSTREAM_WARNINGS`, each only for the dependency's module that emits it.
+    """Silences :data:`UPSTREAM_WARNINGS` and :data:`UPSTREAM_LOG_RECORDS`, each only at its source.
 
     Called once when ``lightning_torchrec`` is imported. Warnings the package itself could avoid
     are avoided instead (e.g. the planner's storage reservation gets a dense estimate, shapes of
@@ -269,6 +298,10 @@ def filter_upstream_warnings() -> None:
     """
     for message, category, module, _why in UPSTREAM_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
+    for name in {logger for logger, _, _ in UPSTREAM_LOG_RECORDS}:
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _DropRecords) for f in log.filters):
+            log.addFilter(_DropRecords([m for n, m, _ in UPSTREAM_LOG_RECORDS if n == name]))
 
 
 def is_last_batch(trainer: Any) -> bool:

@@ -131,7 +131,10 @@ def main(args: list[str] | None = None) -> DemoCLI:
     Returns:
         The CLI, with its trainer and model.
     """
+    from_command_line = args is None
     data_class, args = split_data_choice(sys.argv[1:] if args is None else list(args))
+    if from_command_line and args == sys.argv[1:]:
+        args = None  # LightningCLI reads sys.argv itself (and warns when given both)
     cli = DemoCLI(
         DLRMClickModule,
         data_class,

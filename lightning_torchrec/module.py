@@ -213,7 +213,10 @@ class TorchRecModule(L.LightningModule):
     def _log_eval_metrics(self, stage: str) -> None:
         metrics = self.rec_metrics.pop(stage, None)
         if metrics is not None:
-            self.log_dict(metrics.named(stage, scope="lifetime"), on_step=False, on_epoch=True)
+            # Already global (TorchRec's metrics reduce over the ranks); sync_dist averages
+            # equal values and tells Lightning so.
+            values = metrics.named(stage, scope="lifetime")
+            self.log_dict(values, on_step=False, on_epoch=True, sync_dist=True)
 
     def on_validation_epoch_end(self) -> None:
         """Logs ``val/ne``, ``val/calibration`` and ``val/auprc`` of the whole validation."""
