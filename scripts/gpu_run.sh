@@ -6,9 +6,9 @@
 #
 # Needs .gpu/fb.part.* (the fbgemm-gpu wheel split in parts; cat in name order rebuilds it) and
 # .gpu/small/*.whl (torchrec, torchmetrics, iopath, tensordict, pyvers); installs them into
-# /tmp/site (once per machine) and runs with PYTHONPATH=/tmp/site:$PWD. Modules that torchrec or
+# $SITE (the system temp folder's site/, once per machine) and runs with PYTHONPATH=$SITE:$PWD. Modules that torchrec or
 # this package import but that are not installed (pyre_extensions, portalocker, pyarrow) get
-# minimal stubs in /tmp/site_stubs, announced loudly, so that imports work.
+# minimal stubs in $STUBS (site_stubs/ beside it), announced loudly, so that imports work.
 #
 # Output under $OUT (default ./gpu_out): setup.log, checks.log, bench.log, cuda_checks.json
 # (+ check_*.json, cuda_checks_worker.log, demo/), pipeline_throughput_cuda.json.
@@ -44,8 +44,10 @@ OUT="${OUT:-$ROOT/gpu_out}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 ACCEL="${ACCEL:-cuda}"
-SITE=/tmp/site
-STUBS=/tmp/site_stubs
+TMPROOT="$(dirname "$(mktemp -u)")" # the system temp folder; kept while the machine is warm
+SITE="$TMPROOT/site"
+STUBS="$TMPROOT/site_stubs"
+WHEELS="$TMPROOT/wheels"
 DEADLINE="${DEADLINE:-540}"
 BENCH_MIN="${BENCH_MIN:-200}"
 BENCH_DEFAULT="--devices 1 --sizes benchmark,demo --batch-size 16384,2048 --steps 100 --warmup 20 --rounds 2"
@@ -74,14 +76,15 @@ install_wheels() {
     return 1
   fi
   rm -rf "$SITE" # a half-finished earlier install: pip --target would skip what exists
-  mkdir -p /tmp/wheels "$SITE"
+  mkdir -p "$WHEELS" "$SITE"
   say "assembling fbgemm-gpu from ${#parts[@]} parts: ${parts[*]}"
-  cat "${parts[@]}" >/tmp/wheels/fbgemm.zip || return 1
+  cat "${parts[@]}" >"$WHEELS/fbgemm.zip" || return 1
   # pip wants the wheel's real file name: {dist-info name}-{first tag}.whl, read from the wheel
-  name=$("$PY" - <<'EOF'
+  name=$("$PY" - "$WHEELS/fbgemm.zip" <<'EOF'
+import sys
 import zipfile
 
-z = zipfile.ZipFile("/tmp/wheels/fbgemm.zip")
+z = zipfile.ZipFile(sys.argv[1])
 info = next(n for n in z.namelist() if n.count("/") == 1 and n.endswith(".dist-info/WHEEL"))
 tags = [l.split(":", 1)[1].strip() for l in z.read(info).decode().splitlines() if l.startswith("Tag:")]
 print(f"{info.split('/')[0][: -len('.dist-info')]}-{tags[0]}.whl")
@@ -90,11 +93,11 @@ EOF
     say "ERROR: the assembled fbgemm-gpu wheel is not a readable wheel"
     return 1
   }
-  mv /tmp/wheels/fbgemm.zip "/tmp/wheels/$name"
-  say "installing /tmp/wheels/$name and ${small[*]} into $SITE"
-  if ! "$PY" -m pip install -q --no-index --no-deps --target "$SITE" "/tmp/wheels/$name" "${small[@]}"; then
+  mv "$WHEELS/fbgemm.zip" "$WHEELS/$name"
+  say "installing $WHEELS/$name and ${small[*]} into $SITE"
+  if ! "$PY" -m pip install -q --no-index --no-deps --target "$SITE" "$WHEELS/$name" "${small[@]}"; then
     say "pip failed: unpacking the wheels into $SITE instead (a wheel is a zip of the package)"
-    for w in "/tmp/wheels/$name" "${small[@]}"; do
+    for w in "$WHEELS/$name" "${small[@]}"; do
       "$PY" -m zipfile -e "$w" "$SITE" || return 1
     done
   fi
@@ -105,7 +108,7 @@ EOF
 # The preflight: prints versions and the GPU, stubs missing pure-Python imports (into $STUBS,
 # already on PYTHONPATH), then imports the package and both benchmark modules.
 write_preflight() {
-  cat >/tmp/gpu_run_preflight.py <<'EOF'
+  cat >"$TMPROOT/gpu_run_preflight.py" <<'EOF'
 import importlib
 import importlib.metadata as md
 import os
@@ -248,7 +251,7 @@ rm -rf "$STUBS"
 mkdir -p "$STUBS"
 write_preflight
 export STUBS FORCE_STUBS="${FORCE_STUBS:-}"
-run_step preflight "$(cap 120)" "$PY" /tmp/gpu_run_preflight.py || {
+run_step preflight "$(cap 120)" "$PY" "$TMPROOT/gpu_run_preflight.py" || {
   say "ERROR: preflight failed (see $OUT/preflight.log); nothing else runs"
   exit 4
 }
