@@ -62,6 +62,7 @@ from benchmarks.harness import (
 
 VARIANTS = ["trainer_none", "trainer_sparse_dist", "raw_base", "raw_sparse_dist"]
 SEMI_SYNC_VARIANTS = ["trainer_semi_sync", "raw_semi_sync"]
+NOCHECKS = "_nochecks"
 SIZES = {"demo": ModelSize.demo, "benchmark": ModelSize, "tiny": ModelSize.tiny}
 
 
@@ -255,11 +256,16 @@ def variants_to_run(semi_sync: str) -> list[str]:
 def run_variant(
     variant: str, size: ModelSize, data: CachedBatches, steps: int, warmup: int, setup: Setup
 ) -> Run:
-    """One run of ``variant``."""
+    """One run of ``variant`` (a Trainer one ending in ``_nochecks``: the strategy's per-step
+    checks off, ``validate_batches=False`` and ``on_nonfinite_loss="ignore"``)."""
+    extra: dict[str, Any] = {}
+    if variant.endswith(NOCHECKS):
+        variant = variant.removesuffix(NOCHECKS)
+        extra = {"validate_batches": False, "on_nonfinite_loss": "ignore"}
     pipeline = variant.split("_", 1)[1]
     if variant.startswith("trainer"):
         return trainer_run(
-            size, data, steps, None if pipeline == "none" else pipeline, setup, warmup
+            size, data, steps, None if pipeline == "none" else pipeline, setup, warmup, **extra
         )
     return raw_run(size, data, steps, False if pipeline == "base" else pipeline, setup, warmup)
 
@@ -376,6 +382,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="semi-sync variants: auto = when lightning_torchrec.pipelines.PIPELINES has it",
     )
+    p.add_argument(
+        "--variants",
+        default=None,
+        help="comma list of variants to run instead of all (a trainer_* one may end in "
+        f"{NOCHECKS}: the strategy's per-step checks off)",
+    )
     return p.parse_args(argv)
 
 
@@ -415,6 +427,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     if not 0 <= warmup < steps:
         raise SystemExit(f"--warmup must be in [0, --steps), got {warmup} and {steps}")
     variants = variants_to_run(args.semi_sync)
+    if args.variants:
+        chosen = args.variants.split(",")
+        known = set(variants) | {v + NOCHECKS for v in variants if v.startswith("trainer")}
+        if not set(chosen) <= known or not chosen[0].startswith("trainer"):
+            raise SystemExit(
+                f"--variants: choose from {sorted(known)}, a trainer_* one first (it opens the "
+                f"process group); got {chosen}"
+            )
+        variants = chosen
     if args.accelerator == "cuda":
         name = "pipeline_throughput_cuda"
     elif setup.world == 2:
