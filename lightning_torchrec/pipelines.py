@@ -271,6 +271,17 @@ class SparseDistPipeline:
         """Restores the sharded modules' own forwards (before evaluation)."""
         self._pipeline.detach()
 
+    def release(self) -> None:
+        """At the end of a fit or evaluation: detaches and drops the batches and the iterator.
+
+        The pipeline's side of the loader keeps its iterator (and a multi-worker loader's
+        worker processes and feeder threads) alive while held; a later loader of the same
+        process would fork its workers next to those threads.
+        """
+        self.detach()
+        self._pipeline.reset()
+        self._iterator = None
+
     def unpipelined(self) -> list[str]:
         """Sharded modules TorchRec's tracer could not pipeline (after the first step).
 
@@ -431,6 +442,16 @@ class StagePipelines:
         """
         pipeline = self.for_stage(training)
         return None if pipeline is None else pipeline.ahead(batch_idx)
+
+    def release(self, training: bool) -> None:
+        """Ends the stage's pipeline: see :meth:`SparseDistPipeline.release`.
+
+        Args:
+            training: release the training pipeline (else the evaluation one).
+        """
+        pipeline = self.for_stage(training)
+        if pipeline is not None:
+            pipeline.release()
 
     def detach(self, training: bool) -> None:
         """Restores the sharded modules' own forwards from the stage's pipeline.

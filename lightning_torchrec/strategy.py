@@ -389,7 +389,7 @@ class TorchRecStrategy(DataHooks, ShardedCheckpointing, DDPStrategy):
         # The last step's loss has no next step to be judged at.
         self._collective(self._guard.flush)
         if self._pipelines is not None:  # a later fit, validate or predict: the own forwards
-            self._pipelines.detach(training=True)
+            self._pipelines.release(training=True)
 
     # ------------------------------------------------------------------ teardown
     @override

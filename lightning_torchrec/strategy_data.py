@@ -31,7 +31,7 @@ class DataHooks:
 
     def _end_evaluation(self) -> None:
         if self._pipelines is not None:  # the training pipeline re-attaches at its next step
-            self._pipelines.detach(training=False)
+            self._pipelines.release(training=False)
 
     def _check_batch_counts(self, stage: str, count: float) -> None:
         self._collective(check_counts, count, stage)

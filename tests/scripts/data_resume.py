@@ -113,8 +113,11 @@ def main() -> None:
         for step in (EVERY, 3 * EVERY):
             (path,) = ckpts.glob(f"*step={step}.ckpt")
             run(kind, f"resume{step}", path)
-            if kind == "parquet":
-                run(kind, f"piped_resume{step}", path, pipeline="sparse_dist")
+    # Last in the process: a loader forking its workers after a pipelined fit in the same
+    # process hung now and then (about 1 run in 3 here; not understood yet).
+    for step in (EVERY, 3 * EVERY):
+        (path,) = (OUT / "parquet_ckpts").glob(f"*step={step}.ckpt")
+        run("parquet", f"piped_resume{step}", path, pipeline="sparse_dist")
 
 
 if __name__ == "__main__":
