@@ -55,7 +55,7 @@ class Switched(Callback):
 
 
 def callbacks_for(timer: Interleaver) -> list[Callback]:
-    from lightning_torchrec.callbacks import EmbeddingNormCallback, WeightNormCallback
+    from lightning_torchrec.lightning import EmbeddingNormCallback, WeightNormCallback
 
     inner = {
         "weight_every": WeightNormCallback(every_n_steps=1),

@@ -491,7 +491,7 @@ class SyncAudit(Callback):
 def check_sync_audit(ctx: Context, start: int = 10, stop: int = 16) -> dict[str, Any]:
     """GPU-to-host syncs of steady-state Trainer steps, per pipeline, with their call sites."""
     from lightning_torchrec import TorchRecStrategy
-    from lightning_torchrec.pipelines import PIPELINES
+    from lightning_torchrec.training.pipelines import PIPELINES
 
     if not ctx.cuda and not ctx.audit_on_cpu:
         raise Skip("no CUDA")
@@ -774,9 +774,9 @@ def demo_in_code(ctx: Context, root: Path, steps: int, every: int, val_batches: 
     from lightning.pytorch.loggers import TensorBoardLogger
 
     from lightning_torchrec import DLRMClickModule, SyntheticClickData, TorchRecStrategy
-    from lightning_torchrec.callbacks import EmbeddingNormCallback, WeightNormCallback
     from lightning_torchrec.demo import TRAINER_DEFAULTS
-    from lightning_torchrec.metrics import batch_size_of
+    from lightning_torchrec.lightning import EmbeddingNormCallback, WeightNormCallback
+    from lightning_torchrec.training.metrics import batch_size_of
 
     L.seed_everything(0)
     data = SyntheticClickData(num_embeddings=200, ids_per_feature=2, train_batches=4000)

@@ -98,13 +98,13 @@ def export_one(args: argparse.Namespace) -> None:
     Peaks are relative to the RSS before the export began.
     """
     from lightning_torchrec.checkpoint import load_unsharded
-    from lightning_torchrec.dlrm import DLRMClickModule
-    from lightning_torchrec.export import (
+    from lightning_torchrec.export.artifact import (
         example_inputs,
         quantize_from_checkpoint,
         save_artifact,
         trace,
     )
+    from lightning_torchrec.lightning.dlrm import DLRMClickModule
 
     base_rss = _status("VmRSS")
 
@@ -143,8 +143,8 @@ def export_one(args: argparse.Namespace) -> None:
 def latency(args: argparse.Namespace) -> None:
     """Phase ``latency``: float model and artifacts on the same batches, interleaved."""
     from lightning_torchrec.checkpoint import load_unsharded
-    from lightning_torchrec.dlrm import DLRMClickModule
-    from lightning_torchrec.export import load_artifact
+    from lightning_torchrec.export.artifact import load_artifact
+    from lightning_torchrec.lightning.dlrm import DLRMClickModule
 
     torch.set_num_threads(1)
     models = {"float": load_unsharded(args.checkpoint, DLRMClickModule).eval()}

@@ -145,9 +145,9 @@ class RawLoop:
         from torchrec.modules.embedding_modules import EmbeddingBagCollection
         from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 
-        from lightning_torchrec.dlrm import dlrm_tables
-        from lightning_torchrec.model_and_loss import ModelAndLoss
-        from lightning_torchrec.planning import default_sharders
+        from lightning_torchrec.models.dlrm import dlrm_tables
+        from lightning_torchrec.models.model_and_loss import ModelAndLoss
+        from lightning_torchrec.sharding.planning import default_sharders
 
         self.device = device = device if device is not None else torch.device("cpu")
         rank, world = dist.get_rank(), dist.get_world_size()

@@ -29,7 +29,7 @@ def build(size: ModelSize, device: str) -> nn.Module:
     from torchrec.models.dlrm import DLRM
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-    from lightning_torchrec.dlrm import dlrm_tables
+    from lightning_torchrec.models.dlrm import dlrm_tables
 
     ebc = EmbeddingBagCollection(
         tables=dlrm_tables([size.rows] * size.tables, size.dim, "mean", 0.1),
@@ -81,7 +81,7 @@ def interleave(
 def measure(
     model: nn.Module, tensors: list[torch.Tensor], rounds: int, warmup: int, min_sample_s: float
 ) -> dict[str, Any]:
-    from lightning_torchrec.norms import weights_to_log
+    from lightning_torchrec.training.norms import weights_to_log
 
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     variants = {
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rounds, warmup, min_s = (3, 1, 0.002) if args.quick else (15, 3, 0.05)
     sizes = {"demo": DEMO} if args.quick else {"demo": DEMO, "benchmark": ModelSize()}
     init_single_process_group()
-    from lightning_torchrec.planning import maybe_shard_model
+    from lightning_torchrec.sharding.planning import maybe_shard_model
 
     results: dict[str, Any] = {}
     for label, size in sizes.items():

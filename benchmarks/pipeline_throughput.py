@@ -9,7 +9,7 @@ the step time, at the demo size and at the benchmark size (8 tables of 100k x 64
   ``TrainPipelineSparseDist.progress``;
 * ``trainer_none`` / ``trainer_sparse_dist``: ``Trainer`` + ``TorchRecStrategy(pipeline=...)``
   at Lightning's parity settings (no progress bar, no logger, no checkpointing);
-* when ``"semi_sync"`` is one of ``lightning_torchrec.pipelines.PIPELINES``: ``raw_semi_sync``
+* when ``"semi_sync"`` is one of ``training.pipelines.PIPELINES``: ``raw_semi_sync``
   (TorchRec's ``TrainPipelineSemiSync``, ``start_batch=0``) and ``trainer_semi_sync``
   (``pipeline="semi_sync"``, ``start_batch`` 0); an error in either (TorchRec's semi-sync
   pipeline needs CUDA) is recorded in the result instead of stopping the benchmark.
@@ -214,7 +214,7 @@ def raw_run(
         # Not exported by the package torchrec.distributed.train_pipeline (1.6.1 through 1.9).
         from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSemiSync
 
-        from lightning_torchrec.compat_pipelines import StagedSemiSync
+        from lightning_torchrec.compat.pipelines import StagedSemiSync
 
         # On CPU, TorchRec's own progress() fails on CUDA-stream calls: its subclass with the
         # CPU fixes runs the same progress() there.
@@ -247,7 +247,7 @@ def raw_run(
 
 def variants_to_run(semi_sync: str) -> list[str]:
     """The variants; semi-sync ones when asked (``yes``) or the strategy has it (``auto``)."""
-    from lightning_torchrec.pipelines import PIPELINES
+    from lightning_torchrec.training.pipelines import PIPELINES
 
     wanted = semi_sync == "yes" or (semi_sync == "auto" and "semi_sync" in PIPELINES)
     return VARIANTS + (SEMI_SYNC_VARIANTS if wanted else [])
@@ -380,7 +380,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--semi-sync",
         choices=["auto", "yes", "no"],
         default="auto",
-        help="semi-sync variants: auto = when lightning_torchrec.pipelines.PIPELINES has it",
+        help="semi-sync variants: auto = when training.pipelines.PIPELINES has it",
     )
     p.add_argument(
         "--variants",

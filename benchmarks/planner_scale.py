@@ -25,8 +25,8 @@ from benchmarks.norm_throughput import build
 def plan_for(size: ModelSize, world_size: int) -> dict[str, Any]:
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 
-    from lightning_torchrec.plan_summary import summarize_plan
-    from lightning_torchrec.planning import default_sharders
+    from lightning_torchrec.sharding.plan_summary import summarize_plan
+    from lightning_torchrec.sharding.planning import default_sharders
 
     model = build(size, "meta")
     planner = EmbeddingShardingPlanner(

@@ -85,7 +85,7 @@ def rss_peak_growth(fn: Any) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from lightning_torchrec.ebc_norms import log_ebc_norms
+    from lightning_torchrec.training.ebc_norms import log_ebc_norms
 
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true")

@@ -71,7 +71,20 @@ def _insert_benchmarks(app, docname: str, source: list[str]) -> None:  # noqa: A
     source[0] = source[0].replace(_MARKER, text)
 
 
+#: Where ``concepts.md`` shows the layers of ``lightning_torchrec.architecture`` (one source).
+_ARCHITECTURE_MARKER = "<!-- architecture-table -->"
+
+
+def _insert_architecture(app, docname: str, source: list[str]) -> None:  # noqa: ANN001
+    if docname != "concepts" or _ARCHITECTURE_MARKER not in source[0]:
+        return
+    from lightning_torchrec.architecture import markdown_table
+
+    source[0] = source[0].replace(_ARCHITECTURE_MARKER, markdown_table())
+
+
 def setup(app) -> None:  # noqa: ANN001
-    """Inserts the benchmark results, or a note when there are none, into ``benchmarks.md``."""
+    """Inserts the benchmark results into ``benchmarks.md`` and the layers into ``concepts.md``."""
     app.add_config_value("benchmark_results", str(BENCHMARK_RESULTS), "env")
     app.connect("source-read", _insert_benchmarks)
+    app.connect("source-read", _insert_architecture)

@@ -6,17 +6,10 @@ Importing the package registers ``Trainer(strategy="torchrec")`` (and ``"torchre
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_torchrec.callbacks import (
-    EmbeddingNormCallback,
-    PreemptionCheckpoint,
-    WeightNormCallback,
-)
 from lightning_torchrec.checkpoint import is_sharded_checkpoint, load_unsharded
-from lightning_torchrec.compat import filter_upstream_warnings
-from lightning_torchrec.consolidate import consolidate, load_plain_weights
+from lightning_torchrec.checkpoint.consolidate import consolidate, load_plain_weights
+from lightning_torchrec.compat.upstream import filter_upstream_warnings
 from lightning_torchrec.data import Batch, SyntheticClickData
-from lightning_torchrec.dlrm import DLRMClickModule
-from lightning_torchrec.ebc_norms import log_ebc_norms
 from lightning_torchrec.errors import (
     BatchValidationError,
     CheckpointCorruptError,
@@ -30,19 +23,26 @@ from lightning_torchrec.errors import (
     UnevenDataError,
     UnsafeCheckpointError,
 )
-from lightning_torchrec.layout import log_sharded_tensor_content
-from lightning_torchrec.model_and_loss import ModelAndLoss, weighted_bce_with_logits
-from lightning_torchrec.module import TorchRecModule
-from lightning_torchrec.norms import weights_to_log
-from lightning_torchrec.optim import (
+from lightning_torchrec.lightning import (
+    DLRMClickModule,
+    EmbeddingNormCallback,
+    PreemptionCheckpoint,
+    TorchRecModule,
+    TorchRecStrategy,
+    WeightNormCallback,
+)
+from lightning_torchrec.models.model_and_loss import ModelAndLoss, weighted_bce_with_logits
+from lightning_torchrec.sharding.layout import log_sharded_tensor_content
+from lightning_torchrec.sharding.plan_summary import PlanSummary, summarize_plan
+from lightning_torchrec.sharding.planning import maybe_shard_model, shard_model
+from lightning_torchrec.sharding.tables import embedding_tables
+from lightning_torchrec.training.ebc_norms import log_ebc_norms
+from lightning_torchrec.training.norms import weights_to_log
+from lightning_torchrec.training.optim import (
     DenseAndFusedOptimizer,
     combine_optimizers,
     dense_parameters,
 )
-from lightning_torchrec.plan_summary import PlanSummary, summarize_plan
-from lightning_torchrec.planning import maybe_shard_model, shard_model
-from lightning_torchrec.strategy import TorchRecStrategy
-from lightning_torchrec.tables import embedding_tables
 
 TorchRecStrategy.register_strategies(StrategyRegistry)
 filter_upstream_warnings()

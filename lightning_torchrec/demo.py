@@ -29,10 +29,10 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 
 import lightning_torchrec  # noqa: F401  (registers strategy="torchrec")
-from lightning_torchrec.callbacks import EmbeddingNormCallback, WeightNormCallback
 from lightning_torchrec.data import CriteoDataModule, SyntheticClickData
-from lightning_torchrec.dlrm import DLRMClickModule
-from lightning_torchrec.metrics import batch_size_of
+from lightning_torchrec.lightning import EmbeddingNormCallback, WeightNormCallback
+from lightning_torchrec.lightning.dlrm import DLRMClickModule
+from lightning_torchrec.training.metrics import batch_size_of
 
 #: ``--data NAME`` choices: the data module each trains on.
 DATA_MODULES: dict[str, type[L.LightningDataModule]] = {

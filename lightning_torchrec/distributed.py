@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from lightning_torchrec.errors import RankFailureError
+from lightning_torchrec.errors import PeerFailureError, RankFailureError
 
 T = TypeVar("T")
 
@@ -207,3 +207,63 @@ def agree(
             raise mine
         raise _rebuild(type(mine), f"several ranks failed: {text}") from mine
     raise _rebuild(found[0][1][0], f"stopped because another rank failed: {text}")
+
+
+_PEER_SIGNS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "timed out",
+    "timeout",
+    "socket closed",
+    "connection refused",
+)
+
+
+def peer_failure(exc: BaseException, timeout: Any = None) -> PeerFailureError | None:
+    """A :class:`PeerFailureError` explaining ``exc`` if it is a failed collective, else None.
+
+    Args:
+        exc: the exception raised inside a step.
+        timeout: the collective timeout, for the message.
+
+    Returns:
+        The explaining error, or None for unrelated exceptions.
+    """
+    text = str(exc).lower()
+    is_dist = type(exc).__name__ in ("DistBackendError", "DistNetworkError", "DistError")
+    if not (is_dist or (isinstance(exc, RuntimeError) and any(s in text for s in _PEER_SIGNS))):
+        return None
+    return PeerFailureError(
+        "a collective failed: another rank probably died (killed, out of memory) or stopped "
+        f"answering within the collective timeout ({timeout}). Check the other ranks' logs; "
+        f"resume from the last checkpoint. Original error: {str(exc).splitlines()[0][:300]}"
+    )
+
+
+def run_collective(fn: Any, *args: Any, timeout: Any = None, **kwargs: Any) -> Any:
+    """Runs ``fn`` (which enters collectives); a peer that died raises :class:`PeerFailureError`.
+
+    Errors that are already the package's agreed errors pass through unchanged.
+
+    Args:
+        fn: the call.
+        *args: its positional arguments.
+        timeout: the collective timeout, for the message.
+        **kwargs: its keyword arguments.
+
+    Returns:
+        What ``fn`` returned.
+
+    Raises:
+        PeerFailureError: when ``fn`` failed because a peer died or timed out.
+    """
+    try:
+        return fn(*args, **kwargs)
+    except (PeerFailureError, RankFailureError):
+        raise
+    except RuntimeError as err:
+        failure = peer_failure(err, timeout)
+        if failure is None:
+            raise
+        raise failure from err

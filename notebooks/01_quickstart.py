@@ -38,7 +38,7 @@ from torchrec.models.dlrm import DLRM
 
 import lightning_torchrec  # registers Trainer(strategy="torchrec"), "torchrec_notebook", ...
 from lightning_torchrec import ModelAndLoss, SyntheticClickData, TorchRecModule
-from lightning_torchrec.callbacks import EmbeddingNormCallback, WeightNormCallback
+from lightning_torchrec.lightning import EmbeddingNormCallback, WeightNormCallback
 
 torch.manual_seed(0)
 L.seed_everything(0, verbose=False)
@@ -257,9 +257,9 @@ assert last != first, "the embedding table did not change during training"
 # on the unsharded EBC of section 3, in this single process.
 
 # %%
-from lightning_torchrec.ebc_norms import log_ebc_norms
-from lightning_torchrec.norms import weights_to_log
-from lightning_torchrec.tables import embedding_tables
+from lightning_torchrec.sharding.tables import embedding_tables
+from lightning_torchrec.training.ebc_norms import log_ebc_norms
+from lightning_torchrec.training.norms import weights_to_log
 
 print({k: round(float(v), 3) for k, v in weights_to_log(ebc).items()})
 tables_now = embedding_tables(ebc)

@@ -26,7 +26,7 @@ from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 from torchrec.distributed.planner.types import ParameterConstraints
 
 from lightning_torchrec import DLRMClickModule, summarize_plan
-from lightning_torchrec.planning import default_sharders, make_topology
+from lightning_torchrec.sharding.planning import default_sharders, make_topology
 
 # %% [markdown]
 # ## A model with tables of very different sizes
@@ -95,7 +95,7 @@ print(constrained.to_markdown())
 # ```
 
 # %%
-from lightning_torchrec.setup_checks import (
+from lightning_torchrec.sharding.setup_checks import (
     check_constraints_for_device,
     check_constraints_match_model,
 )

@@ -22,11 +22,11 @@
 #
 # | the-algorithm-ml | lightning-torchrec | what differs |
 # |---|---|---|
-# | `ModelAndLoss(model, loss_fn)` | `lightning_torchrec.model_and_loss.ModelAndLoss(model, loss_fn, unpack_batch)` | same `(losses, outputs)` contract and `loss_fn(logits, labels, weights)` call; any batch type (an `unpack_batch` hook), `weights` optional |
-# | `maybe_shard_model(model, device)` | `lightning_torchrec.planning.maybe_shard_model` / `TorchRecStrategy` | both plan for the world size, processes per host and device type (the original through DMP's default planner); ours is the strategy's one sharding path: default sharders with fused params, setup checks, a planning failure raised on every rank |
-# | `weights_to_log(model, how_to_log)` | `lightning_torchrec.norms.weights_to_log` / `WeightNormCallback` | the original raises `AttributeError` on a model not wrapped in DMP; built-in norms of a sharded table are of the whole table (all ranks), not of one rank's shard; other callables keyed `/rank{r}` |
-# | `log_ebc_norms(state_dict, ebc_keys, sample_size)` | `lightning_torchrec.ebc_norms.log_ebc_norms` / `EmbeddingNormCallback` | the original never emits -1 (it keeps only ranks whose gathered value is not -1); ours emits every rank, -1 where a rank holds no row, plus `-norm-mean`; CPU and GPU, ranks holding 0, 1 or several shards; no state-dict rebuild |
-# | `log_sharded_tensor_content(...)` | `lightning_torchrec.layout.log_sharded_tensor_content` | any world size and backend; returns the table on rank 0; refuses huge tables unless asked |
+# | `ModelAndLoss(model, loss_fn)` | `lightning_torchrec.models.model_and_loss.ModelAndLoss(model, loss_fn, unpack_batch)` | same `(losses, outputs)` contract and `loss_fn(logits, labels, weights)` call; any batch type (an `unpack_batch` hook), `weights` optional |
+# | `maybe_shard_model(model, device)` | `lightning_torchrec.sharding.planning.maybe_shard_model` / `TorchRecStrategy` | both plan for the world size, processes per host and device type (the original through DMP's default planner); ours is the strategy's one sharding path: default sharders with fused params, setup checks, a planning failure raised on every rank |
+# | `weights_to_log(model, how_to_log)` | `lightning_torchrec.training.norms.weights_to_log` / `WeightNormCallback` | the original raises `AttributeError` on a model not wrapped in DMP; built-in norms of a sharded table are of the whole table (all ranks), not of one rank's shard; other callables keyed `/rank{r}` |
+# | `log_ebc_norms(state_dict, ebc_keys, sample_size)` | `lightning_torchrec.training.ebc_norms.log_ebc_norms` / `EmbeddingNormCallback` | the original never emits -1 (it keeps only ranks whose gathered value is not -1); ours emits every rank, -1 where a rank holds no row, plus `-norm-mean`; CPU and GPU, ranks holding 0, 1 or several shards; no state-dict rebuild |
+# | `log_sharded_tensor_content(...)` | `lightning_torchrec.sharding.layout.log_sharded_tensor_content` | any world size and backend; returns the table on rank 0; refuses huge tables unless asked |
 # | custom training loop (`core/custom_training_loop.py`) | `lightning.Trainer(strategy="torchrec")` | loop, logging cadence, checkpoints, validation, LR schedules from Lightning; norms under other tags, logged one update later (see the end) |
 #
 # Everything below runs in one process (no process group); the same calls work unchanged in
@@ -38,11 +38,11 @@ import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 
 from lightning_torchrec import Batch, ModelAndLoss
-from lightning_torchrec.ebc_norms import log_ebc_norms
-from lightning_torchrec.layout import log_sharded_tensor_content
-from lightning_torchrec.norms import weights_to_log
-from lightning_torchrec.planning import maybe_shard_model
-from lightning_torchrec.tables import embedding_tables
+from lightning_torchrec.sharding.layout import log_sharded_tensor_content
+from lightning_torchrec.sharding.planning import maybe_shard_model
+from lightning_torchrec.sharding.tables import embedding_tables
+from lightning_torchrec.training.ebc_norms import log_ebc_norms
+from lightning_torchrec.training.norms import weights_to_log
 
 torch.manual_seed(0)
 
@@ -99,10 +99,10 @@ print(loss, sorted(outputs))
 # `Topology(world_size=..., local_world_size=get_local_size(world_size), compute_device=device.type)`
 # and `get_default_sharders()` (no `fused_params`): world size, processes per host and device type
 # were already used. (`get_local_size` assumes 8 per host when `LOCAL_WORLD_SIZE` is unset and the
-# world size is a multiple of 8.) Ours calls `lightning_torchrec.planning.shard_model`, the same
+# world size is a multiple of 8.) Ours calls `lightning_torchrec.sharding.planning.shard_model`, the same
 # path as `TorchRecStrategy`: `LOCAL_WORLD_SIZE` per host (else the world size), default sharders
 # carrying the fused optimizer of `default_fused_params()` (or your `fused_params`), the setup
-# checks of `lightning_torchrec.setup_checks`, planning on rank 0 with a failure raised on every
+# checks of `lightning_torchrec.sharding.setup_checks`, planning on rank 0 with a failure raised on every
 # rank; and it takes an explicit `plan`, `sharders`, `constraints` or `fused_params`.
 #
 # With Lightning you do not call it: `Trainer(strategy="torchrec")` plans, shards (also for a

@@ -201,7 +201,7 @@ from lightning.pytorch.cli import _JSONARGPARSE_SIGNATURES_AVAILABLE as cli
 import benchmarks.cuda_checks
 import benchmarks.pipeline_throughput  # noqa: F401
 import lightning_torchrec
-from lightning_torchrec.pipelines import PIPELINES
+from lightning_torchrec.training.pipelines import PIPELINES
 
 print("fbgemm_gpu", getattr(fbgemm_gpu, "__version__", "?"), "from", fbgemm_gpu.__file__)
 print("torchrec from", torchrec.__file__, "| lightning_torchrec from", lightning_torchrec.__file__)

@@ -32,7 +32,7 @@ def pytest_configure(config: pytest.Config) -> None:
     pytest discards filters set while it collects (that is when ``lightning_torchrec`` is
     imported), so the one list in ``compat.UPSTREAM_WARNINGS`` is applied as ini filters too.
     """
-    from lightning_torchrec.compat import UPSTREAM_WARNINGS
+    from lightning_torchrec.compat.upstream import UPSTREAM_WARNINGS
 
     for message, category, module, _why in UPSTREAM_WARNINGS:
         config.addinivalue_line("filterwarnings", f"ignore:{message}:{category.__name__}:{module}")

@@ -22,11 +22,11 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ShardingEnv
 
-from lightning_torchrec.ebc_norms import log_ebc_norms
-from lightning_torchrec.layout import log_sharded_tensor_content
-from lightning_torchrec.norms import l1_norm, max_norm, weights_to_log
-from lightning_torchrec.planning import maybe_shard_model
-from lightning_torchrec.tables import embedding_tables
+from lightning_torchrec.sharding.layout import log_sharded_tensor_content
+from lightning_torchrec.sharding.planning import maybe_shard_model
+from lightning_torchrec.sharding.tables import embedding_tables
+from lightning_torchrec.training.ebc_norms import log_ebc_norms
+from lightning_torchrec.training.norms import l1_norm, max_norm, weights_to_log
 from tests.scripts.factory import sharding_constraints  # the spawn copies the parent's sys.path
 
 # name: (rows, dim, sharding type)

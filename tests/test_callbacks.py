@@ -12,7 +12,7 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_torchrec import EmbeddingNormCallback, TorchRecStrategy, WeightNormCallback
-from lightning_torchrec.norms import l1_norm
+from lightning_torchrec.training.norms import l1_norm
 from tests.scripts.factory import cpu_trainer, table_wise, tiny_data, tiny_dlrm
 
 
@@ -179,8 +179,8 @@ def test_resumed_run_logs_no_duplicate_or_stale_points(tmp_path) -> None:
 
 
 def test_nonfinite_norms_are_reported_as_such() -> None:
-    from lightning_torchrec.layout import shard_info
-    from lightning_torchrec.tables import embedding_tables
+    from lightning_torchrec.sharding.layout import shard_info
+    from lightning_torchrec.sharding.tables import embedding_tables
 
     class Poison(L.Callback):
         def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, *args: Any) -> None:

@@ -13,9 +13,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_torchrec import DLRMClickModule, SyntheticClickData, TorchRecStrategy
 from lightning_torchrec.checkpoint import META_FILE, is_sharded_checkpoint
-from lightning_torchrec.consolidate import consolidate, load_plain_weights, main, read_plain
+from lightning_torchrec.checkpoint.consolidate import (
+    consolidate,
+    load_plain_weights,
+    main,
+    read_plain,
+)
 from lightning_torchrec.errors import CheckpointMismatchError
-from lightning_torchrec.optim import optimizer_steps, set_optimizer_steps
+from lightning_torchrec.training.optim import optimizer_steps, set_optimizer_steps
 from tests.scripts.factory import adam, cpu_trainer, table_wise, tiny_data, tiny_dlrm
 
 ROWS = 60

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from lightning_torchrec import TorchRecStrategy
-from lightning_torchrec.consolidate import read_plain
-from lightning_torchrec.optim import optimizer_steps
+from lightning_torchrec.checkpoint.consolidate import read_plain
+from lightning_torchrec.training.optim import optimizer_steps
 from tests.helpers import assert_same, load_ranks, run_script
 from tests.scripts.factory import WIDE, cpu_trainer, table_wise, tiny_data, tiny_dlrm
 

@@ -21,11 +21,11 @@ from torchmetrics.functional.classification import binary_auroc
 from torchrec.inference.modules import quantize_embeddings
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-import lightning_torchrec.quantize as quantize_module
+import lightning_torchrec.export.quantize as quantize_module
 from lightning_torchrec.checkpoint import load_unsharded
-from lightning_torchrec.dlrm import DLRMClickModule
 from lightning_torchrec.errors import CheckpointMismatchError
-from lightning_torchrec.export import DTYPES, export, main, quantize_from_checkpoint
+from lightning_torchrec.export.artifact import DTYPES, export, main, quantize_from_checkpoint
+from lightning_torchrec.lightning.dlrm import DLRMClickModule
 from tests.helpers import SCRIPTS, clean_env, run_script
 from tests.scripts.export_ranks import save as save_checkpoint
 from tests.scripts.factory import tiny_data, tiny_dlrm

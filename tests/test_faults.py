@@ -9,9 +9,10 @@ import torch
 from torchrec.distributed.types import ShardingPlan
 
 from lightning_torchrec import DLRMClickModule, TorchRecStrategy
-from lightning_torchrec.callbacks.preemption import PreemptionCheckpoint
+from lightning_torchrec.distributed import peer_failure
 from lightning_torchrec.errors import NonFiniteLossError
-from lightning_torchrec.faults import StepGuard, nonfinite_tensors, peer_failure
+from lightning_torchrec.lightning.preemption import PreemptionCheckpoint
+from lightning_torchrec.training.step_guard import StepGuard, nonfinite_tensors
 from tests.scripts.factory import cpu_trainer, tiny_data, tiny_dlrm
 
 

@@ -1,4 +1,4 @@
-"""Unit tests of lightning_torchrec.key_order: outputs in the unsharded module's key order."""
+"""Unit tests of sharding.key_order: outputs in the unsharded module's key order."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from torchrec import EmbeddingBagConfig
 from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
-from lightning_torchrec.key_order import DictOrder, KeyedTensorOrder, unsharded_key_order
+from lightning_torchrec.sharding.key_order import DictOrder, KeyedTensorOrder, unsharded_key_order
 
 
 def test_unsharded_order_names_shared_features_by_table() -> None:

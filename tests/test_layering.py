@@ -1,13 +1,7 @@
-"""The package's import contract, checked on its source (AST): layers, no cycles, privates.
+"""The package's import contract (``lightning_torchrec.architecture``), checked on its source (AST).
 
-* Imports inside the package run downward only: every module has a layer, and may import package
-  modules of lower layers only. This rules out cycles.
-* The Lightning glue (strategy, callbacks, demo) is imported by nothing below it.
-* No function-local imports: every import is at module level (optional dependencies would be
-  listed in ``OPTIONAL``).
-* Private names of torch, TorchRec, fbgemm and Lightning (``from torch.x._y import``,
-  ``from x import _y``, ``obj._attr`` on anything but ``self``/``cls``) appear only in compat.py
-  (and compat_pipelines.py, the subclasses of TorchRec's train pipelines).
+Each rule of ``architecture.py``'s docstring has a test here; each test also proves on a
+hand-made violation that it can fail.
 """
 
 from __future__ import annotations
@@ -17,121 +11,129 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "lightning_torchrec"
+from lightning_torchrec.architecture import (
+    APP_MODULES,
+    LAYERS,
+    LIGHTNING_PRIVATE_USERS,
+    layer_of,
+    markdown_table,
+)
 
-#: Lower layers first. A module may import package modules of strictly lower layers.
-LAYERS: list[set[str]] = [
-    {"errors"},
-    {"compat", "compat_pipelines"},
-    {"distributed"},
-    {"tables", "checkpoint_files"},
-    {"layout", "plan_summary", "key_order", "sharders", "batch_checks", "safe_load"},
-    {"pipeline_feed"},
-    {"setup_checks", "norms", "ebc_norms", "faults", "optim", "model_and_loss", "metrics"},
-    {
-        "planning",
-        "checkpoint_base",
-        "data.batch",
-        "data.sampling",
-        "data.resumable",
-        "data.criteo_files",
-        "pipelines",
-    },
-    {"checkpoint_save", "checkpoint_load", "unsharded"},
-    {"checkpoint"},
-    {"consolidate", "module", "quantize", "data.synthetic", "data.criteo", "data.parquet"},
-    {"data"},
-    {"dlrm", "strategy_checkpoints", "strategy_data"},
-    {"export"},
-    {"strategy", "callbacks.norms", "callbacks.preemption"},
-    {"callbacks"},
-    {"demo", "__init__"},
-]
-GLUE = {
-    "strategy",
-    "strategy_checkpoints",
-    "strategy_data",
-    "callbacks",
-    "callbacks.norms",
-    "callbacks.preemption",
-    "demo",
-    "__init__",
-}
-#: Imports allowed inside functions (optional dependencies): none today.
-OPTIONAL: set[str] = set()
+PACKAGE = Path(__file__).resolve().parents[1] / "lightning_torchrec"
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+LAYER = {layer.name: layer for layer in LAYERS}
+MAX_LINES = 400
 
 
 def _name(path: Path) -> str:
-    rel = path.relative_to(PACKAGE).with_suffix("")
-    parts = list(rel.parts)
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
     if parts[-1] == "__init__" and len(parts) > 1:
         parts = parts[:-1]
     return ".".join(parts)
 
 
 MODULES = {_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
-LAYER_OF = {m: i for i, layer in enumerate(LAYERS) for m in layer}
+TREES = {m: ast.parse(p.read_text()) for m, p in MODULES.items()}
+
+
+def _resolve(base: str, alias: str) -> str:
+    sub = f"{base}.{alias}" if base else alias
+    return sub if sub in MODULES else base or "__init__"
 
 
 def _package_imports(tree: ast.AST) -> set[str]:
+    """Package modules a module imports (``from pkg.sub import mod`` resolves to ``sub.mod``)."""
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module:
-            if node.module.startswith("lightning_torchrec"):
+            if node.module.split(".")[0] == "lightning_torchrec":
                 base = node.module.removeprefix("lightning_torchrec").lstrip(".")
-                for alias in node.names:
-                    sub = f"{base}.{alias.name}" if base else alias.name
-                    found.add(sub if sub in MODULES else base or "__init__")
+                found.update(_resolve(base, alias.name) for alias in node.names)
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.startswith("lightning_torchrec."):
                     found.add(alias.name.removeprefix("lightning_torchrec."))
+                elif alias.name == "lightning_torchrec":
+                    found.add("__init__")
     return found
 
 
-def test_every_module_has_a_layer() -> None:
-    assert sorted(set(MODULES) - set(LAYER_OF)) == []
-    assert sorted(set(LAYER_OF) - set(MODULES)) == []
+GRAPH = {m: _package_imports(t) for m, t in TREES.items()}
 
 
-@pytest.mark.parametrize("module", sorted(MODULES))
-def test_imports_run_downward(module: str) -> None:
-    tree = ast.parse(MODULES[module].read_text())
-    for imported in sorted(_package_imports(tree)):
-        assert LAYER_OF[imported] < LAYER_OF[module], (
-            f"{module} (layer {LAYER_OF[module]}) imports {imported} "
-            f"(layer {LAYER_OF[imported]}): imports must run to lower layers"
-        )
-        if imported in GLUE:
-            assert module in GLUE, f"{module} imports the Lightning glue module {imported}"
+def _layer_violations(module: str, imports: set[str]) -> list[str]:
+    own = layer_of(module)
+    allowed = {own, *LAYER[own].may_import}
+    bad = [f"{module} ({own}) imports {m} ({layer_of(m)})" for m in imports]
+    bad = [b for b, m in zip(bad, imports, strict=True) if layer_of(m) not in allowed]
+    if own not in LIGHTNING_PRIVATE_USERS and "compat.lightning" in imports:
+        bad.append(f"{module} ({own}) imports compat.lightning, which is for the glue only")
+    return bad
 
 
-@pytest.mark.parametrize("module", sorted(MODULES))
-def test_no_function_local_imports(module: str) -> None:
-    tree = ast.parse(MODULES[module].read_text())
-    local = []
-    for func in ast.walk(tree):
-        if isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef):
-            for node in ast.walk(func):
-                if isinstance(node, ast.Import | ast.ImportFrom):
-                    names = [node.module] if isinstance(node, ast.ImportFrom) else []
-                    names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
-                    if not any(n and n.split(".")[0] in OPTIONAL for n in names):
-                        local.append(f"line {node.lineno}: {ast.unparse(node)}")
-    assert local == [], f"{module} imports inside functions: {local}"
+def _trainer_imports(tree: ast.AST) -> list[str]:
+    """``lightning.pytorch`` imports (``import lightning`` loads it too)."""
+    found = []
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        for n in names:
+            if n == "lightning" or n.startswith("lightning.pytorch") or n.startswith("lightning."):
+                if not n.startswith("lightning.fabric"):
+                    found.append(n)
+    return found
 
 
-def _private_uses(tree: ast.AST) -> list[str]:
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    cycles, state = [], {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append([*path[path.index(nxt) :], nxt])
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return cycles
+
+
+def _private_imports(tree: ast.AST) -> list[str]:
+    return [
+        f"line {node.lineno}: {ast.unparse(node)}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        and (node.module or "").startswith("lightning_torchrec")
+        and any(a.name.startswith("_") and not a.name.startswith("__") for a in node.names)
+    ]
+
+
+def _function_local_imports(tree: ast.AST) -> list[str]:
+    return [
+        f"line {node.lineno}: {ast.unparse(node)}"
+        for func in ast.walk(tree)
+        if isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef)
+        for node in ast.walk(func)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+    ]
+
+
+def _upstream_private_uses(tree: ast.AST) -> list[str]:
     uses = []
     for node in ast.walk(tree):
         if (
             isinstance(node, ast.ImportFrom)
             and node.module
-            and not node.module.startswith("lightning_torchrec")
+            and not node.module.startswith(("lightning_torchrec", "__future__"))
         ):
             parts = node.module.split(".")
-            if parts == ["__future__"]:
-                continue
             names = [a.name for a in node.names]
             if any(p.startswith("_") for p in parts) or any(
                 n.startswith("_") and not n.startswith("__") for n in names
@@ -145,8 +147,7 @@ def _private_uses(tree: ast.AST) -> list[str]:
                 continue
             uses.append(f"line {node.lineno}: {ast.unparse(node)}")
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-            # getattr(obj, "_private") spelled as a string
-            value = node.value
+            value = node.value  # getattr(obj, "_private") spelled as a string
             if (
                 len(value) > 1
                 and value.startswith("_")
@@ -157,12 +158,95 @@ def _private_uses(tree: ast.AST) -> list[str]:
     return uses
 
 
-@pytest.mark.parametrize("module", sorted(m for m in MODULES if not m.startswith("compat")))
-def test_private_names_only_in_compat(module: str) -> None:
-    uses = _private_uses(ast.parse(MODULES[module].read_text()))
-    assert uses == [], f"{module} uses private names (move them into compat.py): {uses}"
+# ----------------------------------------------------------------------------- the rules
+
+
+def test_every_module_has_a_layer_and_every_layer_a_module() -> None:
+    unplaced = []
+    for module in MODULES:
+        try:
+            layer_of(module)
+        except KeyError as e:
+            unplaced.append(str(e))
+    assert unplaced == []
+    used = {layer_of(m) for m in MODULES}
+    assert sorted(set(LAYER) - used) == []
+    assert set(APP_MODULES) <= set(MODULES)
+
+
+def test_may_import_lists_only_lower_layers() -> None:
+    order = [layer.name for layer in LAYERS]
+    for layer in LAYERS:
+        for lower in layer.may_import:
+            assert order.index(lower) < order.index(layer.name), (layer.name, lower)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_follow_the_layers(module: str) -> None:
+    assert _layer_violations(module, GRAPH[module]) == []
+
+
+def test_layer_rule_can_fail() -> None:
+    assert _layer_violations("sharding.planning", {"lightning.strategy"})
+    assert _layer_violations("training.optim", {"compat.lightning"})
+    assert _layer_violations("lightning.strategy", {"compat.lightning"}) == []
+
+
+def test_no_import_cycles() -> None:
+    assert _cycles(GRAPH) == []
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_only_the_glue_imports_the_trainer(module: str) -> None:
+    layer = LAYER[layer_of(module)]
+    found = _trainer_imports(TREES[module])
+    if layer.name == "data":  # data modules subclass LightningDataModule, nothing else
+        found = [n for n in found if n != "lightning.pytorch.LightningDataModule"]
+    elif layer.trainer or module == "compat.lightning":  # compat.lightning: for the glue only
+        found = []
+    assert found == [], f"{module} is core and imports the Trainer: {found}"
+
+
+def test_trainer_rule_can_fail() -> None:
+    assert _trainer_imports(ast.parse("import lightning as L"))
+    assert _trainer_imports(ast.parse("from lightning.pytorch import Trainer"))
+    assert _trainer_imports(ast.parse("from lightning.fabric import Fabric")) == []
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_private_names_across_modules(module: str) -> None:
+    assert _private_imports(TREES[module]) == []
+
+
+def test_private_import_rule_can_fail() -> None:
+    assert _private_imports(ast.parse("from lightning_torchrec.checkpoint.common import _rank"))
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_function_local_imports(module: str) -> None:
+    assert _function_local_imports(TREES[module]) == []
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if layer_of(m) != "compat"))
+def test_upstream_private_names_only_in_compat(module: str) -> None:
+    uses = _upstream_private_uses(TREES[module])
+    assert uses == [], f"{module} uses private names (move them into compat): {uses}"
 
 
 def test_compat_holds_the_private_names_it_documents() -> None:
-    uses = _private_uses(ast.parse(MODULES["compat"].read_text()))
-    assert len(uses) >= 5  # the contract above is not vacuous: compat is where they went
+    for module in ("compat.upstream", "compat.lightning", "compat.pipelines"):
+        assert len(_upstream_private_uses(TREES[module])) >= 1, module
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_files_stay_readable(module: str) -> None:
+    lines = len(MODULES[module].read_text().splitlines())
+    assert lines <= MAX_LINES, f"{module} has {lines} lines; split it by concept"
+
+
+def test_docs_show_the_generated_table() -> None:
+    concepts = (DOCS / "concepts.md").read_text()
+    assert "<!-- architecture-table -->" in concepts  # docs/conf.py puts markdown_table() there
+    table = markdown_table()
+    assert all(f"`{layer.name}`" in table for layer in LAYERS if layer.name != "app")

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torchmetrics.functional.classification import binary_auroc
 
-from lightning_torchrec.metrics import (
+from lightning_torchrec.training.metrics import (
     RecMetrics,
     auprc,
     auroc,

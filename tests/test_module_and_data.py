@@ -9,8 +9,8 @@ from torchmetrics.functional.classification import binary_auroc
 
 from lightning_torchrec import Batch, ModelAndLoss, SyntheticClickData
 from lightning_torchrec.data import SyntheticClickDataset
-from lightning_torchrec.dlrm import dlrm_tables
-from lightning_torchrec.model_and_loss import weighted_bce_with_logits
+from lightning_torchrec.models.dlrm import dlrm_tables
+from lightning_torchrec.models.model_and_loss import weighted_bce_with_logits
 
 
 def batch(weights: torch.Tensor | None = None) -> Batch:

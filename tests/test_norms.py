@@ -17,15 +17,15 @@ from torchrec.distributed.composable.table_batched_embedding_slice import (
     TableBatchedEmbeddingSlice,
 )
 
-from lightning_torchrec.ebc_norms import log_ebc_norms, sample_positions, sampled_row_norms
-from lightning_torchrec.layout import LocalShard, log_sharded_tensor_content, shard_info
-from lightning_torchrec.norms import (
+from lightning_torchrec.sharding.layout import LocalShard, log_sharded_tensor_content, shard_info
+from lightning_torchrec.sharding.tables import embedding_tables
+from lightning_torchrec.training.ebc_norms import log_ebc_norms, sample_positions, sampled_row_norms
+from lightning_torchrec.training.norms import (
     l1_norm,
     l2_norm,
     max_norm,
     weights_to_log,
 )
-from lightning_torchrec.tables import embedding_tables
 
 
 def _bag(name: str, dim: int, rows: int) -> EmbeddingBagConfig:

@@ -22,16 +22,16 @@ from torch.distributed.tensor import Replicate, distribute_tensor, init_device_m
 from torch.distributed.tensor import Shard as DShard
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
-from lightning_torchrec.ebc_norms import log_ebc_norms
-from lightning_torchrec.layout import log_sharded_tensor_content, shard_info
-from lightning_torchrec.norms import (
+from lightning_torchrec.sharding.layout import log_sharded_tensor_content, shard_info
+from lightning_torchrec.sharding.planning import maybe_shard_model
+from lightning_torchrec.sharding.tables import embedding_tables
+from lightning_torchrec.training.ebc_norms import log_ebc_norms
+from lightning_torchrec.training.norms import (
     l1_norm,
     l2_norm,
     max_norm,
     weights_to_log,
 )
-from lightning_torchrec.planning import maybe_shard_model
-from lightning_torchrec.tables import embedding_tables
 from tests.helpers import one_rank_group  # noqa: F401 - a fixture
 from tests.scripts.factory import table_wise
 

@@ -1,4 +1,4 @@
-"""Unit tests of lightning_torchrec.optim: dense vs fused parameters, the combined optimizer.
+"""Unit tests of training.optim: dense vs fused parameters, the combined optimizer.
 
 Fused tables exist only once a model is sharded: those tests shard a small model on a one-rank
 gloo group (one fused table-wise table, one data-parallel table, a dense layer).
@@ -13,8 +13,9 @@ from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.optim.keyed import KeyedOptimizer
 
-from lightning_torchrec.compat import fused_kernels, kernel_learning_rate
-from lightning_torchrec.optim import (
+from lightning_torchrec.compat.upstream import fused_kernels, kernel_learning_rate
+from lightning_torchrec.sharding.planning import maybe_shard_model
+from lightning_torchrec.training.optim import (
     DenseAndFusedOptimizer,
     combine_optimizers,
     combine_with_schedulers,
@@ -27,7 +28,6 @@ from lightning_torchrec.optim import (
     optimizer_steps,
     set_optimizer_steps,
 )
-from lightning_torchrec.planning import maybe_shard_model
 from tests.helpers import one_rank_group  # noqa: F401 - a fixture
 from tests.scripts.factory import sharding_constraints
 

@@ -1,4 +1,4 @@
-"""Unit tests of lightning_torchrec.plan_summary: where each table went, bytes per rank."""
+"""Unit tests of lightning_torchrec.sharding.plan_summary: where each table went, bytes per rank."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ from torchrec.distributed.types import (
 )
 from torchrec.modules.embedding_configs import DataType
 
-from lightning_torchrec.plan_summary import PlanSummary, log_plan, summarize_plan
+from lightning_torchrec.lightning.trainer_setup import log_plan
+from lightning_torchrec.sharding.plan_summary import PlanSummary, summarize_plan
 
 
 def bag(name: str, rows: int, dim: int, **kw: Any) -> EmbeddingBagConfig:

@@ -1,4 +1,4 @@
-"""Unit tests of lightning_torchrec.planning: topology, planner, ShardingConfig, shard_model()."""
+"""Unit tests of sharding.planning: topology, planner, ShardingConfig, shard_model()."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ShardingPlan
 
-from lightning_torchrec import planning
-from lightning_torchrec.planning import (
+from lightning_torchrec.sharding import planning
+from lightning_torchrec.sharding.planning import (
     DENSE_MULTIPLIER,
     ShardingConfig,
     make_planner,
@@ -24,8 +24,8 @@ from lightning_torchrec.planning import (
     plan_collectively,
     shard_model,
 )
-from lightning_torchrec.sharders import default_sharders
-from lightning_torchrec.tables import dense_bytes, embedding_tables
+from lightning_torchrec.sharding.sharders import default_sharders
+from lightning_torchrec.sharding.tables import dense_bytes, embedding_tables
 from tests.helpers import one_rank_group  # noqa: F401 - a fixture
 from tests.scripts.factory import table_wise
 

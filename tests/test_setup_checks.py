@@ -1,4 +1,4 @@
-"""Unit tests of lightning_torchrec.setup_checks: refusals name their culprit; good input passes."""
+"""Unit tests of sharding.setup_checks: refusals name their culprit; good input passes."""
 
 from __future__ import annotations
 
@@ -21,21 +21,23 @@ from torchrec.distributed.types import (
     ShardingPlan,
 )
 
-from lightning_torchrec.planning import make_planner, make_topology
-from lightning_torchrec.setup_checks import (
+from lightning_torchrec.lightning.trainer_setup import (
+    check_fused_precision,
+    check_fused_training,
+    check_precision,
+    check_sync_batchnorm,
+)
+from lightning_torchrec.sharding.planning import make_planner, make_topology
+from lightning_torchrec.sharding.setup_checks import (
     check_constraints_for_device,
     check_constraints_match_model,
     check_fused_optimizer_for_device,
-    check_fused_precision,
-    check_fused_training,
     check_plan,
     check_plan_matches_model,
-    check_precision,
-    check_sync_batchnorm,
     explain_planner_error,
     warn_materialized,
 )
-from lightning_torchrec.sharders import default_sharders
+from lightning_torchrec.sharding.sharders import default_sharders
 from tests.scripts.factory import sharding_constraints, table_wise, tiny_dlrm
 
 EBC = "model_and_loss.model.sparse_arch.embedding_bag_collection"
@@ -241,7 +243,7 @@ def _ec_model() -> torch.nn.Module:
 
 
 def test_cpu_planning_offers_only_what_each_table_can_run() -> None:
-    from lightning_torchrec.setup_checks import device_constraints
+    from lightning_torchrec.sharding.setup_checks import device_constraints
 
     model = _ec_model()
     out = device_constraints(model, None, "cpu")

@@ -1,4 +1,4 @@
-"""Unit tests of lightning_torchrec.sharders: fused optimizer settings, sharders, fused plans."""
+"""Unit tests of sharding.sharders: fused optimizer settings, sharders, fused plans."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from torchrec.distributed.types import (
     ShardingPlan,
 )
 
-from lightning_torchrec.sharders import (
+from lightning_torchrec.sharding.sharders import (
     default_fused_params,
     default_sharders,
     has_fused_tables,

@@ -57,7 +57,7 @@ def test_row_wise_on_cpu_is_refused_naming_the_table() -> None:
 def test_explicit_row_wise_plan_is_refused() -> None:
     from torchrec.distributed.planner.types import Topology
 
-    from lightning_torchrec.planning import default_sharders, make_planner
+    from lightning_torchrec.sharding.planning import default_sharders, make_planner
 
     model, row_wise = tiny_dlrm(), sharding_constraints({"t_cat_0": "row_wise"})
     topology = Topology(world_size=2, compute_device="cuda", local_world_size=2)
@@ -94,7 +94,7 @@ def test_gradient_accumulation_with_fused_tables_needs_opt_in() -> None:
 
 
 def test_sharders_and_fused_params_together_are_refused() -> None:
-    from lightning_torchrec.planning import default_sharders
+    from lightning_torchrec.sharding.planning import default_sharders
 
     with pytest.raises(ValueError, match="fused_params"):
         TorchRecStrategy(sharders=default_sharders(None), fused_params={"learning_rate": 0.1})
@@ -207,8 +207,8 @@ def test_validate_and_predict_without_fit_shard_the_model() -> None:
 
 
 def test_tables_built_off_meta_keep_their_values_in_the_shards() -> None:
-    from lightning_torchrec.layout import shard_info
-    from lightning_torchrec.tables import embedding_tables
+    from lightning_torchrec.sharding.layout import shard_info
+    from lightning_torchrec.sharding.tables import embedding_tables
 
     model = PlainEBCModule()
     cfgs = model.ebc.embedding_bag_configs()
@@ -240,7 +240,7 @@ def test_data_parallel_tables_train_exactly_like_torch() -> None:
     """fbgemm warns its CPU dense lookup lacks an autograd kernel; the update is still exact."""
     import copy
 
-    from lightning_torchrec.tables import embedding_tables
+    from lightning_torchrec.sharding.tables import embedding_tables
 
     class DP(L.LightningModule):
         def __init__(self) -> None:

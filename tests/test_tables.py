@@ -1,4 +1,4 @@
-"""Unit tests of lightning_torchrec.tables: where a model's tables are and what they hold."""
+"""Unit tests of sharding.tables: where a model's tables are and what they hold."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torchrec import (
 )
 from torchrec.modules.embedding_configs import DataType
 
-from lightning_torchrec.tables import (
+from lightning_torchrec.sharding.tables import (
     configs_of,
     dense_bytes,
     dense_width,

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from lightning_torchrec import DLRMClickModule
-from lightning_torchrec import checkpoint_files as files
+from lightning_torchrec.checkpoint import files
 from lightning_torchrec.checkpoint import (
     META_FILE,
     check_compatible,
@@ -31,10 +31,10 @@ from lightning_torchrec.checkpoint import (
     load_unsharded,
     save_sharded,
 )
-from lightning_torchrec.checkpoint_files import MANIFEST_FILE, old_path
-from lightning_torchrec.consolidate import consolidate, load_plain_weights, read_plain
+from lightning_torchrec.checkpoint.consolidate import consolidate, load_plain_weights, read_plain
+from lightning_torchrec.checkpoint.files import MANIFEST_FILE, old_path
+from lightning_torchrec.checkpoint.safe_load import read_dcp_metadata
 from lightning_torchrec.errors import CheckpointCorruptError, UnsafeCheckpointError
-from lightning_torchrec.safe_load import read_dcp_metadata
 from tests.helpers import ROOT, clean_env, load_ranks, run_script
 from tests.scripts.factory import WIDE, tiny_data, tiny_dlrm
 

@@ -11,9 +11,9 @@ from torch.utils.data import DataLoader, Dataset
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_torchrec import Batch, DLRMClickModule, TorchRecStrategy
-from lightning_torchrec.batch_checks import validate_batch
 from lightning_torchrec.errors import BatchValidationError
-from lightning_torchrec.tables import dense_width, feature_specs
+from lightning_torchrec.sharding.tables import dense_width, feature_specs
+from lightning_torchrec.training.batch_checks import validate_batch
 from tests.scripts.factory import cpu_trainer, table_wise, tiny_dlrm
 
 ROWS = [10, 20]

@@ -41,13 +41,13 @@ from torchrec.datasets.criteo import (
 
 from lightning_torchrec.data.batch import Batch
 from lightning_torchrec.data.criteo_files import (
-    _MARKER,
-    _NPY_KINDS,
-    _hashes,
+    MARKER,
+    NPY_KINDS,
     find_day_files,
     find_tsv_files,
     parse_tsv,
     preprocess,
+    table_sizes_array,
 )
 from lightning_torchrec.data.resumable import (
     ResumableDataModule,
@@ -101,7 +101,7 @@ class CriteoIterableDataset(ResumableIterableDataset):
         if stage in ("val", "test") and len(days) != 1:
             raise ValueError(f"stage {stage!r} reads one day (TorchRec's layout), got {len(days)}")
         self.stage = stage
-        self.paths = {k: [f"{d}_{k}.npy" for d in days] for k in _NPY_KINDS}
+        self.paths = {k: [f"{d}_{k}.npy" for d in days] for k in NPY_KINDS}
         self.batch_size = batch_size
         self.rank = rank
         self.world_size = world_size
@@ -192,7 +192,7 @@ class CriteoDataModule(ResumableDataModule):
             if num_embeddings_per_feature is not None
             else [num_embeddings] * CAT_FEATURE_COUNT
         )
-        _hashes(self.num_embeddings_per_feature)
+        table_sizes_array(self.num_embeddings_per_feature)
         self.num_dense_features = INT_FEATURE_COUNT
         self.feature_names = list(DEFAULT_CAT_NAMES)
         self.batch_size = batch_size
@@ -224,7 +224,7 @@ class CriteoDataModule(ResumableDataModule):
             "sizes": [p.stat().st_size for p in tsv],
             "rows_per_file": self.rows_per_file,
         }
-        marker = self.cache_dir / _MARKER
+        marker = self.cache_dir / MARKER
         if marker.exists() and json.loads(marker.read_text()) == settings:
             return
         # Raw ids (int64) are kept: the reader takes them modulo the table sizes, so one

@@ -38,10 +38,10 @@ for _i, _c in enumerate(b"ABCDEF"):
     _HEX[_c] = 10 + _i
 
 
-_NPY_KINDS = ("dense", "sparse", "labels")
+NPY_KINDS = ("dense", "sparse", "labels")
 
 
-_MARKER = "lightning_torchrec_preprocess.json"
+MARKER = "lightning_torchrec_preprocess.json"
 
 
 def _hex_column(array: pa.Array | pa.ChunkedArray, name: str) -> np.ndarray:
@@ -162,7 +162,17 @@ def _count_rows(path: Path) -> int:
     return rows + (last != b"\n")
 
 
-def _hashes(num_embeddings_per_feature: Sequence[int] | int | None) -> np.ndarray | None:
+def table_sizes_array(
+    num_embeddings_per_feature: Sequence[int] | int | None,
+) -> np.ndarray | None:
+    """The table size of each of Criteo's sparse features, as ids are taken modulo them.
+
+    Args:
+        num_embeddings_per_feature: one size per feature, one size for all, or None.
+
+    Returns:
+        An ``int64`` array of ``CAT_FEATURE_COUNT`` sizes, or None (ids kept as they are).
+    """
     if num_embeddings_per_feature is None:
         return None
     if isinstance(num_embeddings_per_feature, int):
@@ -183,7 +193,7 @@ class _NpyWriter:
         self.files = {}
         widths = {"dense": INT_FEATURE_COUNT, "sparse": CAT_FEATURE_COUNT, "labels": 1}
         dtypes = {"dense": np.float32, "sparse": sparse_dtype, "labels": np.int32}
-        for kind in _NPY_KINDS:
+        for kind in NPY_KINDS:
             f = (out_dir / f"day_{day}_{kind}.npy").open("wb")
             header = {
                 "descr": np.lib.format.dtype_to_descr(np.dtype(dtypes[kind])),
@@ -239,7 +249,7 @@ def preprocess(
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    hashes = _hashes(num_embeddings_per_feature)
+    hashes = table_sizes_array(num_embeddings_per_feature)
     sparse_dtype = np.dtype(np.int64 if hashes is None or hashes.max() > 2**31 else np.int32)
     counts = [_count_rows(Path(p)) for p in in_files]
     if rows_per_file is None:
@@ -301,7 +311,7 @@ def find_day_files(path: str | Path) -> list[Path]:
     days = []
     for dense in path.glob("*_dense.npy"):
         stem = dense.name.removesuffix("_dense.npy")
-        for kind in _NPY_KINDS:
+        for kind in NPY_KINDS:
             if not (path / f"{stem}_{kind}.npy").exists():
                 raise FileNotFoundError(f"{path / f'{stem}_{kind}.npy'} is missing")
         number = re.findall(r"\d+", stem)

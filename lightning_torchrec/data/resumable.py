@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import lightning as L
+from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 
@@ -161,7 +161,7 @@ class ResumableDataLoader(DataLoader):
         self.skip_next = start if 0 < start < len(self) else 0
 
 
-class ResumableDataModule(L.LightningDataModule):
+class ResumableDataModule(LightningDataModule):
     """The loaders the file-backed data modules share; subclasses define :meth:`dataset`.
 
     Training batches come from a :class:`ResumableDataLoader` (the position within the epoch is

@@ -17,8 +17,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import lightning as L
 import torch
+from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -152,7 +152,7 @@ class SyntheticClickDataset(Dataset[Batch]):
         return Batch(dense_features=dense, sparse_features=kjt, labels=labels)
 
 
-class SyntheticClickData(L.LightningDataModule):
+class SyntheticClickData(LightningDataModule):
     """Lightning data module of learnable synthetic click data for DLRM-style models.
 
     Every feature ``cat_i`` reads its own table of ``num_embeddings`` rows (or the per-feature

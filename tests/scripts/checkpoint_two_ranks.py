@@ -28,9 +28,9 @@ from rank_state import kernel_lrs, local_view  # sibling module (script director
 
 from lightning_torchrec import DLRMClickModule, TorchRecStrategy
 from lightning_torchrec.checkpoint import load_sharded
-from lightning_torchrec.consolidate import consolidate, load_plain_weights
+from lightning_torchrec.checkpoint.consolidate import consolidate, load_plain_weights
 from lightning_torchrec.errors import CheckpointMismatchError
-from lightning_torchrec.optim import optimizer_steps
+from lightning_torchrec.training.optim import optimizer_steps
 
 OUT = Path(sys.argv[1])
 TABLES = 4

@@ -29,7 +29,7 @@ from factory import cpu_trainer, table_wise, tiny_data, tiny_dlrm
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_torchrec import DLRMClickModule, TorchRecStrategy
-from lightning_torchrec.callbacks.preemption import PreemptionCheckpoint
+from lightning_torchrec.lightning.preemption import PreemptionCheckpoint
 
 OUT, MODE = Path(sys.argv[1]), sys.argv[2]
 ROWS = 20

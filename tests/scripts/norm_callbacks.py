@@ -23,7 +23,7 @@ from lightning_torchrec import (
     WeightNormCallback,
     log_sharded_tensor_content,
 )
-from lightning_torchrec.tables import embedding_tables
+from lightning_torchrec.sharding.tables import embedding_tables
 
 OUT = Path(sys.argv[1])
 TYPES = {

@@ -37,7 +37,7 @@ from lightning_torchrec import (
     TorchRecStrategy,
     WeightNormCallback,
 )
-from lightning_torchrec.callbacks.preemption import PreemptionCheckpoint
+from lightning_torchrec.lightning.preemption import PreemptionCheckpoint
 
 OUT = Path(sys.argv[1])
 ROWS, BAD_AT = 20, 5

@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import Callback
 from rank_state import local_view
 
 from lightning_torchrec import TorchRecStrategy
-from lightning_torchrec.compat_pipelines import pipelined_modules
+from lightning_torchrec.compat.pipelines import pipelined_modules
 
 OUT = Path(sys.argv[1])
 STEPS, VAL_EVERY, SEMI_FROM = 60, 20, 10
@@ -115,7 +115,7 @@ def against_torchrec(pipeline: str = "sparse_dist", steps: int = 30) -> None:
         rank_sampler,
         table_wise,
     )
-    from lightning_torchrec.compat_pipelines import StagedSemiSync
+    from lightning_torchrec.compat.pipelines import StagedSemiSync
 
     size = ModelSize.tiny()
     data = dataset(size, 2 * (steps + 4))

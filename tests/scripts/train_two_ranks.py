@@ -25,7 +25,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from rank_state import local_view  # sibling module (script directory)
 
 from lightning_torchrec import TorchRecStrategy
-from lightning_torchrec.optim import DenseAndFusedOptimizer
+from lightning_torchrec.training.optim import DenseAndFusedOptimizer
 
 STEPS = 120
 CKPT_EVERY = 60

@@ -44,7 +44,7 @@ from torchrec.distributed.types import ShardingPlan
 
 from lightning_torchrec import TorchRecStrategy
 from lightning_torchrec.checkpoint import META_FILE, is_sharded_checkpoint, load_sharded
-from lightning_torchrec.checkpoint_files import MANIFEST_FILE, file_checksum
+from lightning_torchrec.checkpoint.files import MANIFEST_FILE, file_checksum
 
 OUT = Path(sys.argv[1])
 ROWS, TABLES = 40, 2

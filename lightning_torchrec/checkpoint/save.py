@@ -1,0 +1,194 @@
+"""Saving a sharded checkpoint (collective): finite values, DCP files, manifest, atomic move.
+
+See :mod:`lightning_torchrec.checkpoint` for the format and the guarantees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
+from torchrec.optim.keyed import KeyedOptimizer
+
+from lightning_torchrec.checkpoint.common import (
+    FORMAT_VERSION,
+    META_FILE,
+    MODEL_KEY,
+    PACKAGE_KEY,
+    agree_checkpoint_error,
+    agree_dcp_failure,
+    check_replaceable,
+    checkpoint_collective,
+    hyper_params,
+    optimizer_key,
+    param_groups_file,
+    partial_dir,
+    this_rank,
+    write_error,
+)
+from lightning_torchrec.checkpoint.files import (
+    MANIFEST_FILE,
+    file_checksum,
+    fsync_dir,
+    fsync_file,
+    recover_replaced,
+    remove_path,
+    replace_path,
+    write_manifest,
+)
+from lightning_torchrec.distributed import is_distributed, rank_and_world_size
+from lightning_torchrec.errors import (
+    CheckpointWriteError,
+    NonFiniteCheckpointError,
+    RankFailureError,
+    UnsafeCheckpointError,
+)
+from lightning_torchrec.training.optim import optimizer_steps
+from lightning_torchrec.training.step_guard import nonfinite_tensors
+
+
+def check_finite(state: Mapping[str, Any], step: int | None = None) -> None:
+    """Refuses, on every rank, a checkpoint whose local weights or optimizer state hold NaN/inf.
+
+    Collective: one small ``all_reduce`` (the names are gathered only on failure).
+
+    Args:
+        state: what would be saved (model and optimizer states, nested).
+        step: the global step, for the message.
+
+    Raises:
+        NonFiniteCheckpointError: on every rank when any rank holds a non-finite value, naming
+            the ranks and tensors.
+    """
+    bad = nonfinite_tensors(state)
+    error = None
+    if bad:
+        names = ", ".join(bad[:5]) + (" ..." if len(bad) > 5 else "")
+        at = f" at global step {step}" if step is not None else ""
+        error = NonFiniteCheckpointError(
+            f"refusing to save a checkpoint{at}: non-finite values on rank(s) [{this_rank()}]: "
+            f"{names}. The previous checkpoint is kept; find where the NaN came from (loss, "
+            "learning rate, data)."
+        )
+    agree_checkpoint_error(error)
+
+
+def save_sharded(
+    path: str | Path,
+    module: nn.Module,
+    optimizers: list[KeyedOptimizer],
+    metadata: dict[str, Any],
+    *,
+    model_state: dict[str, Any] | None = None,
+    check_finite_values: bool = True,
+) -> None:
+    """Saves a module's (sharded) state, optimizer states and Lightning metadata. Collective.
+
+    Args:
+        path: the checkpoint directory. An existing checkpoint of this package (or a Lightning
+            single-file checkpoint, or an empty directory) there is replaced once the new one is
+            complete; anything else there is refused.
+        module: the (sharded) module; ``module.state_dict()`` holds ShardedTensors for tables.
+        optimizers: keyed optimizers (state keyed by parameter name).
+        metadata: the rest of Lightning's checkpoint dict; rank 0 writes it.
+        model_state: ``module.state_dict()`` when the caller has built it already.
+        check_finite_values: refuse NaN/inf weights and optimizer state (:func:`check_finite`).
+
+    Raises:
+        NonFiniteCheckpointError: see :func:`check_finite`; nothing is written.
+        FileExistsError: if ``path`` holds something that is not a checkpoint; nothing is
+            written.
+        CheckpointWriteError: if writing failed on some rank (e.g. disk full: errno ``ENOSPC``),
+            naming the file; the previous checkpoint of that name is intact.
+        PeerFailureError: if another rank died during the save.
+    """
+    path = Path(path)
+    rank, world = rank_and_world_size()
+    model_state = module.state_dict() if model_state is None else model_state
+    state: dict[str, Any] = {MODEL_KEY: model_state}
+    for i, opt in enumerate(optimizers):
+        state[optimizer_key(i)] = opt.state_dict()["state"]
+    if check_finite_values:
+        check_finite(state, metadata.get("global_step"))
+    tmp = partial_dir(path)
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            recover_replaced(path)
+            check_replaceable(path)
+            remove_path(tmp)
+            tmp.mkdir(parents=True)
+        except Exception as err:  # noqa: BLE001 - agreed below
+            error = write_error(err, tmp)
+    agree_checkpoint_error(error)  # nothing is written before every rank knows the target is fine
+    try:
+        _write(path, tmp, state, optimizers, metadata, rank, world)
+    except (CheckpointWriteError, FileExistsError, UnsafeCheckpointError, RankFailureError):
+        if rank == 0:
+            remove_path(tmp)  # agreed: no rank writes any more; frees the space
+        raise
+
+
+def _write(
+    path: Path,
+    tmp: Path,
+    state: dict[str, Any],
+    optimizers: list[KeyedOptimizer],
+    metadata: dict[str, Any],
+    rank: int,
+    world: int,
+) -> None:
+    try:
+        dcp.save(state, storage_writer=FileSystemWriter(str(tmp)))
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - agreed below
+        agree_dcp_failure(err, tmp, writing=True)
+    agree_checkpoint_error(None)
+    error: BaseException | None = None
+
+    own = param_groups_file(tmp, rank)
+    sums: dict[str, dict[str, Any]] = {}
+    try:
+        torch.save(
+            {
+                "world_size": world,
+                "param_groups": [hyper_params(o) for o in optimizers],
+                "optimizer_steps": [optimizer_steps(o) for o in optimizers],
+            },
+            own,
+        )
+        fsync_file(own)
+        for file in [*sorted(tmp.glob(f"__{rank}_*.distcp")), own]:
+            sums[file.name] = file_checksum(file)
+    except Exception as err:  # noqa: BLE001 - agreed below
+        error = write_error(err, own)
+    agree_checkpoint_error(error)
+    if is_distributed():
+        gathered: list[Any] = [None] * world
+        checkpoint_collective(torch.distributed.all_gather_object, gathered, sums)
+    else:
+        gathered = [sums]
+
+    if rank == 0:
+        current = tmp / META_FILE
+        try:
+            meta = dict(metadata)
+            meta[PACKAGE_KEY] = {"format_version": FORMAT_VERSION, "world_size": world}
+            torch.save(meta, current)
+            fsync_file(current)
+            files = {name: s for rank_sums in gathered for name, s in rank_sums.items()}
+            for file in sorted(tmp.iterdir()):  # .metadata, meta.pt, anything DCP added
+                if file.is_file() and file.name not in files:
+                    files[file.name] = file_checksum(file)
+            current = tmp / MANIFEST_FILE
+            write_manifest(tmp, files, FORMAT_VERSION, world)
+            fsync_dir(tmp)
+            current = path
+            replace_path(tmp, path)
+        except Exception as err:  # noqa: BLE001 - agreed below
+            error = write_error(err, current)
+    agree_checkpoint_error(error)

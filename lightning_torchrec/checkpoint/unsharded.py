@@ -1,0 +1,252 @@
+"""From a sharded checkpoint directory to plain tensors and a ready unsharded model, in one process.
+
+:func:`iter_plain_tensors` reads the unsharded model's tensors one at a time (verified, safely
+unpickled, no process group); :func:`load_unsharded` (and ``TorchRecModule.load_from_checkpoint``)
+builds a ready model from them, tables on the meta device materialised on the CPU.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from itertools import chain
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+
+from lightning_torchrec.checkpoint.common import (
+    MODEL_KEY,
+    UNVERIFIED,
+    check_is_checkpoint,
+    dcp_error,
+    load_meta,
+)
+from lightning_torchrec.checkpoint.files import read_manifest, verify_files
+from lightning_torchrec.checkpoint.safe_load import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    read_dcp_metadata,
+)
+from lightning_torchrec.compat.upstream import ShardedTensor
+from lightning_torchrec.errors import (
+    CheckpointCorruptError,
+    CheckpointMismatchError,
+)
+from lightning_torchrec.sharding.layout import copy_into_shards, global_shape
+
+
+def plain_tensor_index(
+    checkpoint: str | Path, verify: bool = True
+) -> dict[str, TensorStorageMetadata]:
+    """The model tensors of a sharded checkpoint: state-dict key to DCP's shape and dtype.
+
+    One process, no process group.
+
+    Args:
+        checkpoint: a sharded checkpoint directory.
+        verify: check every file against the checksum manifest first (a checkpoint without one
+            warns that it cannot be verified).
+
+    Returns:
+        ``{state-dict key: TensorStorageMetadata}`` in key order.
+
+    Raises:
+        FileNotFoundError: if ``checkpoint`` is not a complete sharded checkpoint.
+        CheckpointCorruptError: if a file is damaged, truncated or missing, naming it.
+        UnsafeCheckpointError: if the DCP metadata would run code, naming the global.
+        CheckpointMismatchError: if ``checkpoint`` is a single-file checkpoint.
+    """
+    checkpoint = Path(checkpoint)
+    check_is_checkpoint(checkpoint)
+    damaged = None
+    try:  # a file that would run code is named first, then checksum failures
+        stored = read_dcp_metadata(checkpoint).state_dict_metadata
+    except CheckpointCorruptError as err:
+        damaged = err
+    if verify:
+        manifest = read_manifest(checkpoint)
+        if manifest is None:
+            warnings.warn(UNVERIFIED.format(path=checkpoint), UserWarning, stacklevel=2)
+        else:
+            verify_files(checkpoint, manifest, sorted(manifest["files"]))
+    if damaged is not None:
+        raise damaged
+    prefix = MODEL_KEY + "."
+    return {
+        k[len(prefix) :]: v
+        for k, v in sorted(stored.items())
+        if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)
+    }
+
+
+def iter_plain_tensors(
+    checkpoint: str | Path, verify: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields the unsharded model's tensors one at a time from a sharded checkpoint.
+
+    Runs in one process without a process group; only the tensor being yielded is in memory.
+    Files are checked against their checksums first and nothing is unpickled unsafely.
+
+    Args:
+        checkpoint: a sharded checkpoint directory.
+        verify: check the checksums first (see :func:`plain_tensor_index`).
+
+    Yields:
+        ``(state-dict key, plain tensor)`` pairs in key order.
+
+    Raises:
+        FileNotFoundError: if ``checkpoint`` is not a complete sharded checkpoint.
+        CheckpointCorruptError: if a file is damaged, truncated or missing, naming it.
+        UnsafeCheckpointError: if the DCP metadata would run code, naming the global.
+    """
+    checkpoint = Path(checkpoint)
+    entries = plain_tensor_index(checkpoint, verify=verify)
+    reader = SafeFileSystemReader(checkpoint, read_dcp_metadata(checkpoint))
+    for key, meta in entries.items():
+        tensor = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        try:
+            with warnings.catch_warnings():
+                # DCP warns on every single-process load, even when asked for one (no_dist=True).
+                warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+                dcp.load(
+                    {MODEL_KEY: {key: tensor}},
+                    storage_reader=reader,
+                    planner=SafeLoadPlanner(),
+                    no_dist=True,
+                )
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - named below
+            raise dcp_error(err, checkpoint, writing=False) from err
+        yield key, tensor
+
+
+def _is_plain_meta(value: Any) -> bool:
+    return (
+        isinstance(value, torch.Tensor)
+        and not isinstance(value, ShardedTensor | DTensor)
+        and value.is_meta
+    )
+
+
+def meta_tensors(module: nn.Module) -> list[str]:
+    """Parameters and buffers of a module still on the meta device (no values).
+
+    Args:
+        module: a module.
+
+    Returns:
+        Their names.
+    """
+    named = chain(module.named_parameters(), module.named_buffers())
+    return [name for name, t in named if _is_plain_meta(t)]
+
+
+@torch.no_grad()
+def fill_plain(
+    module: nn.Module,
+    shapes: Mapping[str, tuple[int, ...]],
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    strict: bool = True,
+) -> list[str]:
+    """Loads whole tensors into a module, one at a time; each rank copies only its shards.
+
+    Works on an unsharded module (tensors on the meta device take the loaded tensor, on the
+    CPU) and on a sharded one (ShardedTensor/DTensor tables: this rank's shards are filled).
+
+    Args:
+        module: the module (tables may be on the meta device, or sharded).
+        shapes: the global shape of every tensor ``tensors`` will yield, checked before any is
+            read.
+        tensors: ``(state-dict key, whole tensor)`` pairs.
+        strict: raise when the source lacks a tensor of the module or has one it lacks.
+
+    Returns:
+        The keys loaded.
+
+    Raises:
+        CheckpointMismatchError: on missing/unexpected keys (``strict``), a shape mismatch, or
+            tensors left on the meta device, naming them (before anything is loaded, except
+            for the tensors left on meta).
+    """
+    target = module.state_dict()
+    keys = [k for k, v in target.items() if isinstance(v, torch.Tensor)]
+    missing = [k for k in keys if k not in shapes]
+    extra = [k for k in shapes if k not in target]
+    wrong = [
+        f"{k}: source {list(shapes[k])}, model {list(global_shape(target[k]))}"
+        for k in keys
+        if k in shapes and tuple(global_shape(target[k])) != tuple(shapes[k])
+    ]
+    if wrong or (strict and (missing or extra)):
+        raise CheckpointMismatchError(
+            f"the weights do not fit the model: missing {missing}, unexpected {extra}, "
+            f"shapes differ: {wrong}"
+        )
+    on_meta = set(meta_tensors(module))
+    loaded = []
+    for key, tensor in tensors:
+        if key not in target:
+            continue
+        if key in on_meta:  # a table built on the meta device: take the tensor
+            module.load_state_dict({key: tensor}, strict=False, assign=True)
+        else:
+            copy_into_shards({key: tensor}, {key: target[key]})
+        loaded.append(key)
+    left = meta_tensors(module)
+    if left:
+        raise CheckpointMismatchError(
+            f"these tensors of the model are still on the meta device (no values; the source "
+            f"does not hold them): {left}"
+        )
+    return loaded
+
+
+def load_unsharded(
+    checkpoint: str | Path,
+    module: nn.Module | type[nn.Module],
+    *,
+    strict: bool = True,
+    weights_only: bool = True,
+    **init_args: Any,
+) -> Any:
+    """A ready, unsharded model from a sharded checkpoint directory, in one process.
+
+    No process group is needed. Tables created on the meta device are materialised on the CPU.
+    Every tensor is read one at a time (:func:`iter_plain_tensors`: files verified against their
+    checksums, nothing unpickled unsafely), so memory stays near the model's size.
+    ``TorchRecModule.load_from_checkpoint(directory)`` calls this.
+
+    Args:
+        checkpoint: a sharded checkpoint directory.
+        module: a module to fill in place, or a module class (e.g. a LightningModule) to build
+            from the checkpoint's saved ``hyper_parameters`` (updated with ``init_args``).
+        strict: raise when the checkpoint lacks a tensor of the model or has one it lacks.
+        weights_only: read ``meta.pt`` (the hyper-parameters) with ``weights_only``.
+        **init_args: constructor arguments overriding the saved hyper-parameters (class only).
+
+    Returns:
+        The module, on the CPU, in the mode it was built in (call ``.eval()`` to predict).
+
+    Raises:
+        TypeError: if ``init_args`` are given with a module instance.
+        CheckpointMismatchError: if the model does not fit the checkpoint, naming the keys.
+        CheckpointCorruptError: if a file is damaged, truncated or missing, naming it.
+        UnsafeCheckpointError: if a file would run code when loaded, naming it.
+        FileNotFoundError: if ``checkpoint`` is not a complete sharded checkpoint.
+    """
+    checkpoint = Path(checkpoint)
+    entries = plain_tensor_index(checkpoint)
+    if isinstance(module, type):
+        meta = load_meta(checkpoint, weights_only=weights_only)
+        hparams = dict(meta.get("hyper_parameters") or {})
+        module = module(**{**hparams, **init_args})
+    elif init_args:
+        raise TypeError(f"constructor arguments {sorted(init_args)} need a class, not a module")
+    shapes = {k: tuple(v.size) for k, v in entries.items()}
+    fill_plain(module, shapes, iter_plain_tensors(checkpoint, verify=False), strict)
+    return module

@@ -1,0 +1,88 @@
+"""Lightning's private or version-sensitive names (lightning 2.6), for the Trainer glue alone.
+
+Each small function says why it is needed and since which version its name is stable; nothing
+below the glue (``lightning_torchrec.lightning``) imports this module.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from typing_extensions import override
+
+
+def layer_sync(strategy: Any) -> Any:
+    """The ``LayerSync`` plugin Lightning attaches for ``Trainer(sync_batchnorm=True)``.
+
+    The accelerator connector sets ``ParallelStrategy._layer_sync`` (lightning 2.0+); there is
+    no public getter.
+
+    Args:
+        strategy: a Lightning parallel strategy.
+
+    Returns:
+        The plugin, or None.
+    """
+    return getattr(strategy, "_layer_sync", None)
+
+
+def processed_epochs(trainer: Any) -> int:
+    """Epochs the fit loop has started (restored from a checkpoint on resume).
+
+    ``trainer.current_epoch`` counts *completed* epochs, which is one short right after a
+    checkpoint saved at an epoch end; the loop's progress tracker (lightning 2.0+) knows.
+
+    Args:
+        trainer: the Trainer.
+
+    Returns:
+        ``trainer.fit_loop.epoch_progress.current.processed``.
+    """
+    return int(trainer.fit_loop.epoch_progress.current.processed)
+
+
+def is_last_batch(trainer: Any) -> bool:
+    """Whether the batch the running loop just fetched is its dataloader's last.
+
+    Lightning's loops prefetch one batch and record the answer in
+    ``loop.batch_progress.is_last_batch`` (lightning 2.0+) before the step runs.
+
+    Args:
+        trainer: the Trainer, inside a training, validation, test or predict step.
+
+    Returns:
+        True at the last batch of the running loop.
+    """
+    stage = str(trainer.state.stage.value) if trainer.state.stage is not None else ""
+    fitting = str(trainer.state.fn.value) == "fit"
+    if stage == "train":
+        loop = trainer.fit_loop.epoch_loop
+    elif stage in ("validate", "sanity_check"):
+        loop = trainer.fit_loop.epoch_loop.val_loop if fitting else trainer.validate_loop
+    elif stage == "test":
+        loop = trainer.test_loop
+    else:
+        loop = trainer.predict_loop
+    return bool(loop.batch_progress.is_last_batch)
+
+
+class ResultsOnlyLauncher(_MultiProcessingLauncher):
+    """Lightning's fork/spawn launcher, minus shipping rank 0's weights back to the parent.
+
+    Lightning's launcher (``_MultiProcessingLauncher``, lightning 2.0+) saves rank 0's
+    ``state_dict`` and loads it into the parent's module. A sharded model's state holds only
+    rank 0's shards, and the parent's module is the unsharded one (tables on the meta device), so
+    that load fails. The trainer state, ``callback_metrics`` and the return value still come back;
+    weights are read from checkpoints or loggers.
+    """
+
+    @override
+    def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
+        out = super()._collect_rank_zero_results(trainer, results)
+        if out is not None and out.weights_path is not None:
+            shutil.rmtree(os.path.dirname(out.weights_path), ignore_errors=True)
+            out = out._replace(weights_path=None)
+        return out

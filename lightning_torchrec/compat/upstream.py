@@ -1,0 +1,267 @@
+"""Every private or version-sensitive name of torch, TorchRec and fbgemm, in one place.
+
+The rest of the package uses public APIs only and calls these small functions where no public
+equivalent exists. Each says why it is needed and since which version its name is stable, so a
+dependency upgrade is checked here and nowhere else. Supported: torch 2.11-2.14,
+torchrec 1.6.1-1.9, fbgemm-gpu(-cpu) 1.6-1.9, lightning 2.6.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+# ShardedTensor has no public import path; TorchRec's sharded tables still use it in their
+# state dicts (torch 2.0+, unchanged through 2.14).
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+# The local shape and global offset of a regular DTensor's local tensor; no public equivalent
+# (torch 2.4+; same signature through 2.14).
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torchrec.optim.keyed import CombinedOptimizer
+
+__all__ = [
+    "TORCH_LAYOUT_DECODER",
+    "UPSTREAM_LOG_RECORDS",
+    "UPSTREAM_WARNINGS",
+    "filter_upstream_warnings",
+    "fused_kernels",
+    "foreach_norm",
+    "kernel_learning_rate",
+    "kernel_step",
+    "local_shape_and_global_offset",
+    "planner_topology",
+    "set_kernel_step",
+    "sharded_tensor_group",
+    "sharded_table_views",
+    "unwrap_compiled",
+]
+
+
+#: The pickle global by which DCP's ``TensorProperties`` stores its layout: torch's private
+#: ``torch.serialization._get_layout`` (torch 1.13+ through 2.14). The safe unpickler of
+#: ``lightning_torchrec.checkpoint.safe_load`` maps it to a lookup among torch's layouts instead of
+#: calling it.
+TORCH_LAYOUT_DECODER = ("torch.serialization", "_get_layout")
+
+
+def local_shape_and_global_offset(
+    shape: torch.Size, mesh: Any, placements: Any
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The local shape and global offset of this rank's part of a regular DTensor.
+
+    Args:
+        shape: the DTensor's global shape.
+        mesh: its device mesh.
+        placements: its placements.
+
+    Returns:
+        ``(local shape, global offset)``.
+    """
+    return compute_local_shape_and_global_offset(shape, mesh, placements)
+
+
+def foreach_norm(
+    tensors: list[torch.Tensor], ord: float, dtype: torch.dtype | None
+) -> list[torch.Tensor]:
+    """Norms of many tensors in one batched kernel (what ``clip_grad_norm_`` uses).
+
+    ``torch._foreach_norm`` is underscored but has been stable since torch 1.13; the public
+    ``torch.nn.utils.get_total_norm`` only returns the norm of all tensors together.
+
+    Args:
+        tensors: the tensors (same dtype class: all float64 or all lower precision).
+        ord: the norm order (1, 2 or ``inf``).
+        dtype: accumulate in this dtype (None: the tensors' own).
+
+    Returns:
+        One 0-dim tensor per input.
+    """
+    return list(torch._foreach_norm(tensors, ord, dtype=dtype))
+
+
+def unwrap_compiled(module: nn.Module) -> nn.Module:
+    """The module inside a ``torch.compile`` wrapper (``OptimizedModule._orig_mod``), else itself.
+
+    Args:
+        module: any module.
+
+    Returns:
+        The compiled module's original, or ``module``.
+    """
+    return getattr(module, "_orig_mod", module)
+
+
+def sharded_table_views(module: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The ShardedTensor/DTensor views a sharded EBC/EC keeps of its tables, without a copy.
+
+    TorchRec's ``ShardedEmbeddingBagCollection`` and ``ShardedEmbeddingCollection`` keep these
+    for their state-dict hook (``_model_parallel_name_to_sharded_tensor`` and
+    ``_model_parallel_name_to_dtensor``, torchrec 0.6+ through 1.9); their shards are views of
+    the fused weights. Building ``state_dict()`` instead recreates ShardedTensor metadata on every
+    call.
+
+    Args:
+        module: a sharded embedding module.
+
+    Returns:
+        ``{"embedding_bags.{table}.weight" or "embeddings.{table}.weight": view}``, or None when
+        the module keeps no such views.
+    """
+    sharded = getattr(module, "_model_parallel_name_to_sharded_tensor", None)
+    dtensors = getattr(module, "_model_parallel_name_to_dtensor", None)
+    if not (isinstance(sharded, dict) and isinstance(dtensors, dict)):
+        return None
+    container = "embedding_bags" if hasattr(module, "embedding_bags") else "embeddings"
+    return {f"{container}.{t}.weight": v for t, v in {**sharded, **dtensors}.items()}
+
+
+def fused_kernels(optimizer: Any) -> list[Any]:
+    """The fused embedding kernels (fbgemm TBEs) a TorchRec fused optimizer drives, in order.
+
+    ``EmbeddingFusedOptimizer._emb_module`` (torchrec 0.3+ through 1.9) is the only handle on
+    the kernel; TorchRec's keyed optimizers nest as ``CombinedOptimizer.optimizers``.
+
+    Args:
+        optimizer: a keyed optimizer (combined or fused) or anything else.
+
+    Returns:
+        The kernels, empty when ``optimizer`` drives none.
+    """
+    if isinstance(optimizer, CombinedOptimizer):
+        return [k for _, o in optimizer.optimizers for k in fused_kernels(o)]
+    kernel = getattr(optimizer, "_emb_module", None)
+    return [kernel] if kernel is not None and hasattr(kernel, "iter") else []
+
+
+def kernel_step(kernel: Any) -> int:
+    """A TBE's optimizer step counter (Adam-family bias correction; outside every state dict).
+
+    Args:
+        kernel: an fbgemm ``SplitTableBatchedEmbeddingBagsCodegen``.
+
+    Returns:
+        ``kernel.iter`` (fbgemm 0.4+ through 1.9).
+    """
+    return int(kernel.iter.item())
+
+
+def set_kernel_step(kernel: Any, step: int) -> None:
+    """Sets a TBE's step counter: the device counter and its host copy (``iter_cpu``, fbgemm 1.0+).
+
+    Args:
+        kernel: an fbgemm TBE.
+        step: the value.
+    """
+    kernel.iter.fill_(step)
+    if hasattr(kernel, "iter_cpu"):
+        kernel.iter_cpu.fill_(step)
+
+
+def kernel_learning_rate(kernel: Any) -> float:
+    """The learning rate a TBE applies in its next backward (public fbgemm method).
+
+    Args:
+        kernel: an fbgemm TBE.
+
+    Returns:
+        The learning rate.
+    """
+    return float(kernel.get_learning_rate())
+
+
+def sharded_tensor_group(tensor: ShardedTensor) -> Any:
+    """The process group a ShardedTensor is sharded over (``_process_group``, torch 1.11+).
+
+    Args:
+        tensor: a ShardedTensor.
+
+    Returns:
+        Its process group, or None.
+    """
+    return getattr(tensor, "_process_group", None)
+
+
+def planner_topology(planner: Any) -> Any:
+    """The ``Topology`` a TorchRec planner plans for (``_topology``, torchrec 0.2+ through 1.9).
+
+    Args:
+        planner: an ``EmbeddingShardingPlanner`` or a user's planner.
+
+    Returns:
+        The topology, or None when the planner keeps none.
+    """
+    return getattr(planner, "_topology", None)
+
+
+#: Warnings that only a dependency can fix: (message regex, category, module regex, why). No
+#: colons in the regexes: pytest reads them as ini filters too (tests/conftest.py).
+UPSTREAM_WARNINGS: list[tuple[str, type[Warning], str, str]] = [
+    (
+        "`broadcast_buffers` is deprecated",
+        FutureWarning,
+        r"torchrec\.distributed\..*",
+        "TorchRec's DistributedModelParallel (torchrec <= 1.9) builds its DDP wrappers with "
+        "broadcast_buffers=False, which torch 2.13 deprecates.",
+    ),
+    (
+        "Please use DTensor instead and we are deprecating ShardedTensor",
+        FutureWarning,
+        r"torch\.distributed\.checkpoint\..*",
+        "TorchRec's sharded tables are ShardedTensors in their state dicts; "
+        "torch.distributed.checkpoint warns each time it plans one.",
+    ),
+    (
+        r"fbgemm..dense_embedding_codegen_lookup_function. an autograd kernel was not registered",
+        UserWarning,
+        r"torch\.autograd\..*",
+        "fbgemm-gpu-cpu registers no CPU autograd kernel for data-parallel tables; the update is "
+        "still exact (tests/test_strategy.py::test_data_parallel_tables_train_exactly_like_torch).",
+    ),
+    (
+        r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        FutureWarning,
+        r"lightning\.pytorch\.utilities\._pytree",
+        "Lightning 2.6's _pytree helper tests isinstance(treespec, LeafSpec), which torch 2.13 "
+        "deprecates (it still works).",
+    ),
+]
+
+#: Log records of dependencies silenced the same way: (logger, message start, why).
+UPSTREAM_LOG_RECORDS: list[tuple[str, str, str]] = [
+    (
+        "torch.fx._symbolic_trace",
+        "is_fx_tracing will return true for both",
+        "TorchRec's sharded modules call torch.fx's is_fx_tracing() in every forward; torch 2.13 "
+        "logs once per process that its meaning widened (TorchRec does not trace there).",
+    ),
+]
+
+
+class _DropRecords:
+    """A logging filter dropping records whose message starts with one of ``starts``."""
+
+    def __init__(self, starts: list[str]) -> None:
+        self.starts = tuple(starts)
+
+    def filter(self, record: Any) -> bool:
+        return not str(record.msg).startswith(self.starts)
+
+
+def filter_upstream_warnings() -> None:
+    """Silences :data:`UPSTREAM_WARNINGS` and :data:`UPSTREAM_LOG_RECORDS`, each only at its source.
+
+    Called once when ``lightning_torchrec`` is imported. Warnings the package itself could avoid
+    are avoided instead (e.g. the planner's storage reservation gets a dense estimate, shapes of
+    ShardedTensors are read from their metadata).
+    """
+    for message, category, module, _why in UPSTREAM_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+    for name in {logger for logger, _, _ in UPSTREAM_LOG_RECORDS}:
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _DropRecords) for f in log.filters):
+            log.addFilter(_DropRecords([m for n, m, _ in UPSTREAM_LOG_RECORDS if n == name]))

@@ -1,0 +1,351 @@
+"""From a sharded checkpoint to a served model: quantized inference export.
+
+:func:`export` reads a sharded checkpoint (saved on any number of ranks, under any plan) in one
+process without a process group, rebuilds the model for inference with its embedding tables
+quantized by TorchRec's own quantized ``EmbeddingBagCollection`` (fbgemm's row-wise int8/int4
+with a per-row fp16 scale and bias, or fp16/fp32 rows) and its dense part in fp32, and writes an
+artifact a serving process loads with ``import torch, torchrec`` only:
+
+- ``pt2`` (default): ``torch.export``; load with ``torch.export.load(path).module()``;
+- ``torchscript``: ``torchrec.fx.symbolic_trace`` then ``torch.jit.script`` (TorchRec's own
+  inference path); load with ``torch.jit.load(path)``.
+
+Tables are streamed from the checkpoint one at a time and quantized straight into the buffers of
+the quantized module, so at most one table is ever held in float: a model larger than memory in
+float can be exported when it fits quantized. See ``docs/export.md``.
+
+What is exported: ``module.inference_model()`` if the LightningModule defines it, else
+``module.model_and_loss.model`` (``TorchRecModule``, ``DLRMClickModule``: DLRM's
+``forward(dense_features, sparse_features) -> logits``), else the module itself.
+
+Command line::
+
+    python -m lightning_torchrec.export CKPT_DIR OUT.pt2 --module pkg.mod.Class --dtype int8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torchrec.fx
+from torch import nn
+from torch.export import Dim, ShapesCollection
+from torchrec.quant.embedding_modules import (
+    EmbeddingBagCollection as QuantEmbeddingBagCollection,
+)
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from lightning_torchrec.export.quantize import (
+    DTYPES,
+    quantize_from_checkpoint,
+)
+
+#: The artifact formats.
+FORMATS = ("pt2", "torchscript")
+
+
+@dataclass
+class ExportResult:
+    """What :func:`export` produced.
+
+    Attributes:
+        model: the quantized eager model (what was traced); call it like the float model. Its
+            quantized EBCs no longer expose the tables in ``state_dict()`` (see :func:`trace`).
+        artifact: the ``torch.export.ExportedProgram`` or ``torch.jit.ScriptModule``.
+        format: ``"pt2"`` or ``"torchscript"``.
+        dtype: the table dtype name (``"int8"``, ...).
+        path: the written artifact, or None when no output was given.
+        tables: ``{table: (rows, dim)}`` of the quantized tables.
+        float_table_bytes: bytes of the tables in the checkpoint (float).
+        quantized_table_bytes: bytes of the quantized tables (with scale/bias and padding).
+        seconds: wall time of the export.
+        info: the JSON side file's content (features, dense width, dtypes, how to load).
+    """
+
+    model: nn.Module
+    artifact: Any
+    format: str
+    dtype: str
+    path: Path | None
+    tables: dict[str, tuple[int, int]]
+    float_table_bytes: int
+    quantized_table_bytes: int
+    seconds: float
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def example_inputs(
+    features: list[str], dense: int, batch_size: int = 4, weighted: bool = False
+) -> tuple[torch.Tensor, KeyedJaggedTensor]:
+    """A ``(dense_features, sparse_features)`` sample in the layout of the package's batches.
+
+    Ids are int64, lengths int32 (as ``SyntheticClickData`` and ``Batch``); ``pt2`` artifacts
+    accept exactly these dtypes.
+
+    Args:
+        features: the KJT keys.
+        dense: the dense width.
+        batch_size: samples.
+        weighted: add per-id weights.
+
+    Returns:
+        The sample.
+    """
+    lengths = (torch.arange(batch_size * len(features), dtype=torch.int32) % 3) + 1
+    values = torch.zeros(int(lengths.sum()), dtype=torch.int64)
+    weights = torch.ones(values.shape[0]) if weighted else None
+    kjt = KeyedJaggedTensor(keys=features, values=values, lengths=lengths, weights=weights)
+    return torch.randn(batch_size, dense), kjt
+
+
+def _dynamic_shapes(args: tuple[Any, ...]) -> ShapesCollection:
+    """Batch and id counts dynamic: dim 0 of dense tensors is the batch, KJT lengths F*batch."""
+    shapes = ShapesCollection()
+    batch = Dim("batch", min=1)
+    for arg in args:
+        if isinstance(arg, KeyedJaggedTensor):
+            shapes[arg.values()] = {0: Dim.AUTO}
+            shapes[arg.lengths()] = {0: len(arg.keys()) * batch}
+            if arg.weights_or_none() is not None:
+                shapes[arg.weights()] = {0: Dim.AUTO}
+        elif isinstance(arg, torch.Tensor) and arg.dim() > 0:
+            shapes[arg] = {0: batch}
+    return shapes
+
+
+def _plain_kjt(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    return KeyedJaggedTensor(
+        keys=kjt.keys(),
+        values=kjt.values(),
+        lengths=kjt.lengths(),
+        weights=kjt.weights_or_none(),
+    )
+
+
+def _strip_table_buffers(model: nn.Module) -> None:
+    """Drops the quantized EBCs' ``embedding_bags`` buffers before tracing.
+
+    They are views of fbgemm's weight buffer kept for ``state_dict()``; the forward reads the
+    buffer itself, which tracing captures as a constant. Serialising both would store every
+    table twice.
+    """
+    for sub in model.modules():
+        if isinstance(sub, QuantEmbeddingBagCollection):
+            sub.embedding_bags = nn.ModuleDict({name: nn.Module() for name in sub.embedding_bags})
+
+
+def trace(model: nn.Module, fmt: str, args: tuple[Any, ...] | None) -> Any:
+    """Turns the quantized eager model into an artifact.
+
+    Args:
+        model: the quantized model (its table buffers are stripped, see above).
+        fmt: ``"pt2"`` or ``"torchscript"``.
+        args: example positional inputs (``pt2`` only).
+
+    Returns:
+        The ``ExportedProgram`` or ``ScriptModule``.
+
+    Raises:
+        ValueError: for an unknown format, or ``pt2`` without example inputs.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+    _strip_table_buffers(model)
+    if fmt == "torchscript":
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=DeprecationWarning)
+            warnings.filterwarnings("ignore", "The TorchScript type system", UserWarning)
+            warnings.filterwarnings(
+                "ignore", "TorchScript will treat type annotations", UserWarning
+            )
+            return torch.jit.script(torchrec.fx.symbolic_trace(model))
+    if args is None:
+        raise ValueError(
+            "pt2 export needs example inputs: pass example_inputs=(...), define "
+            "example_inputs() on the module, or use format='torchscript'"
+        )
+    # A KJT built by from_lengths_sync caches its stride and per-key lengths as Python ints,
+    # which tracing would bake in (the artifact would then refuse a batch of one): trace a
+    # plain one.
+    args = tuple(_plain_kjt(a) if isinstance(a, KeyedJaggedTensor) else a for a in args)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "is_fx_tracing will return true", UserWarning)
+        program = torch.export.export(model, args, dynamic_shapes=_dynamic_shapes(args))
+    # The example inputs would be pickled into the file (a KJT: not weights-only loadable).
+    program.example_inputs = None
+    return program
+
+
+def save_artifact(artifact: Any, fmt: str, output: str | Path) -> Path:
+    """Writes an artifact atomically (``OUT.partial`` then rename).
+
+    Args:
+        artifact: from :func:`trace`.
+        fmt: its format.
+        output: the file.
+
+    Returns:
+        The path.
+    """
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(output.name + ".partial")
+    with open(tmp, "wb") as f:  # a file object: torch.export wants a .pt2 name otherwise
+        if fmt == "pt2":
+            torch.export.save(artifact, f)
+        else:
+            torch.jit.save(artifact, f)
+    tmp.replace(output)
+    return output
+
+
+def export(
+    checkpoint_dir: str | Path,
+    module: str | type | nn.Module,
+    output: str | Path | None = None,
+    *,
+    dtype: str = "int8",
+    format: str = "pt2",  # noqa: A002 - the CLI's name
+    example_inputs: tuple[Any, ...] | None = None,
+    verify: bool = True,
+) -> ExportResult:
+    """Exports a sharded checkpoint as a quantized inference artifact, in one process.
+
+    Args:
+        checkpoint_dir: a sharded checkpoint directory (any world size and plan).
+        module: the LightningModule: a dotted class path ``pkg.mod.Class`` (built from the
+            checkpoint's saved ``hyper_parameters``), a class, or an instance (modified in
+            place: its EBCs are replaced by quantized ones).
+        output: where to write the artifact (and ``OUT.json`` beside it, describing the inputs);
+            None writes nothing (the artifact is in the result).
+        dtype: table dtype: ``"int8"``, ``"int4"`` (row-wise, per-row fp16 scale and bias),
+            ``"fp16"`` or ``"fp32"``. Dense layers stay fp32.
+        format: ``"pt2"`` (``torch.export``) or ``"torchscript"``.
+        example_inputs: positional inputs to trace with (``pt2``); default: the module's
+            ``example_inputs()`` if defined, else ``(dense_features, KJT)`` built from the
+            tables' features and the ``num_dense_features`` hyper-parameter.
+        verify: check the checkpoint's files against its checksum manifest first.
+
+    Returns:
+        The :class:`ExportResult`.
+
+    Raises:
+        ValueError: for an unknown dtype or format, or table widths the dtype cannot pack.
+        CheckpointMismatchError: if the checkpoint holds another model, naming the tables.
+        FileNotFoundError: if ``checkpoint_dir`` is not a sharded checkpoint directory.
+        ImportError: for an unknown module path, naming it.
+        TypeError: for a module without EBC tables or that cannot be built from the checkpoint.
+    """
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    start = time.perf_counter()
+    model, facts = quantize_from_checkpoint(checkpoint_dir, module, dtype, verify=verify)
+    args = example_inputs
+    if args is None and callable(facts["example_inputs"]):
+        args = tuple(facts["example_inputs"]())
+    if args is None and format == "pt2" and facts["dense_width"] is not None:
+        args = _default_inputs(facts)
+    artifact = trace(model, format, args)
+    info = {
+        "format": format,
+        "dtype": dtype,
+        "dense_dtype": "float32",
+        "features": facts["features"],
+        "dense_width": facts["dense_width"],
+        "weighted": facts["weighted"],
+        "tables": {k: list(v) for k, v in facts["tables"].items()},
+        "inputs": "forward(dense_features: float32 [B, dense_width], sparse_features: "
+        "KeyedJaggedTensor(keys=features, values=int64, lengths=int32)) -> logits [B, 1]",
+        "load": "torch.export.load(path).module()" if format == "pt2" else "torch.jit.load(path)",
+        "checkpoint": str(checkpoint_dir),
+    }
+    path = None
+    if output is not None:
+        path = save_artifact(artifact, format, output)
+        Path(f"{path}.json").write_text(json.dumps(info, indent=2) + "\n")
+    return ExportResult(
+        model=model,
+        artifact=artifact,
+        format=format,
+        dtype=dtype,
+        path=path,
+        tables=facts["tables"],
+        float_table_bytes=facts["float_table_bytes"],
+        quantized_table_bytes=facts["quantized_table_bytes"],
+        seconds=time.perf_counter() - start,
+        info=info,
+    )
+
+
+def _default_inputs(facts: dict[str, Any]) -> tuple[torch.Tensor, KeyedJaggedTensor]:
+    return example_inputs(
+        facts["features"], facts["dense_width"], batch_size=4, weighted=facts["weighted"]
+    )
+
+
+def load_artifact(path: str | Path) -> Any:
+    """Loads an exported artifact (what a serving process does, shown in ``docs/export.md``).
+
+    Serving needs only ``import torch, torchrec`` (TorchRec registers fbgemm's operators and
+    the ``KeyedJaggedTensor`` pytree); this helper is for convenience.
+
+    Args:
+        path: a ``.pt2`` (``torch.export``) or TorchScript file.
+
+    Returns:
+        A callable module: ``model(dense_features, sparse_features) -> logits``.
+    """
+    path = Path(path)
+    if path.suffix == ".pt2":
+        return torch.export.load(path).module()
+    return torch.jit.load(str(path))
+
+
+def main(argv: list[str] | None = None) -> ExportResult:
+    """Command line: ``python -m lightning_torchrec.export CKPT OUT --module pkg.Class``.
+
+    Args:
+        argv: arguments (defaults to ``sys.argv[1:]``).
+
+    Returns:
+        The export result.
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_torchrec.export",
+        description="Export a sharded checkpoint as a quantized inference artifact.",
+    )
+    parser.add_argument("checkpoint", type=Path, help="sharded checkpoint directory")
+    parser.add_argument("output", type=Path, help="artifact file (.pt2 or .ts)")
+    parser.add_argument(
+        "--module",
+        required=True,
+        help="the LightningModule class, e.g. lightning_torchrec.DLRMClickModule",
+    )
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="int8")
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        default=None,
+        help="pt2 (torch.export) or torchscript; default: from the output suffix (.pt2: pt2)",
+    )
+    args = parser.parse_args(argv)
+    fmt = args.format or ("pt2" if args.output.suffix == ".pt2" else "torchscript")
+    try:
+        result = export(args.checkpoint, args.module, args.output, dtype=args.dtype, format=fmt)
+    except (ImportError, TypeError, ValueError, FileNotFoundError) as err:
+        # CheckpointMismatchError is a ValueError; the message names what is wrong.
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
+    ratio = result.quantized_table_bytes / max(result.float_table_bytes, 1)
+    print(
+        f"wrote {result.path} ({fmt}, tables {args.dtype}: {result.quantized_table_bytes} bytes, "
+        f"{ratio:.2f} of float; file {result.path.stat().st_size} bytes) "
+        f"in {result.seconds:.1f} s"
+    )
+    return result

@@ -1,0 +1,348 @@
+"""Quantizing a sharded checkpoint's tables into TorchRec's quantized modules, one table at a time.
+
+The model is rebuilt for inference from the checkpoint's hyper-parameters
+(:func:`build_module`, :func:`inference_model`); its ``EmbeddingBagCollection`` s are replaced by
+TorchRec's quantized ``EmbeddingBagCollection`` (fbgemm's row-wise int8/int4 with a per-row fp16
+scale and bias, or fp16/fp32 rows), whose buffers are allocated once and filled as each table is
+streamed from the checkpoint (:func:`quantize_from_checkpoint`): at most one table is held in
+float. :mod:`lightning_torchrec.export.artifact` traces and saves the result.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torchrec.modules.embedding_configs import DATA_TYPE_NUM_BITS, DataType, EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.quant.embedding_modules import (
+    EmbeddingBagCollection as QuantEmbeddingBagCollection,
+)
+
+from lightning_torchrec.checkpoint import (
+    iter_plain_tensors,
+    load_meta,
+    meta_tensors,
+    plain_tensor_index,
+)
+from lightning_torchrec.errors import CheckpointMismatchError
+from lightning_torchrec.sharding.tables import dense_width, table_bytes, table_of_key
+
+#: ``--dtype`` name to TorchRec's table data type.
+DTYPES: dict[str, DataType] = {
+    "int8": DataType.INT8,
+    "int4": DataType.INT4,
+    "fp16": DataType.FP16,
+    "fp32": DataType.FP32,
+}
+
+
+#: fbgemm's row-wise quantizer (``FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf``) needs the
+#: packed row to be a whole number of 2-byte words: int8 rows need an even width, int4 rows a
+#: width divisible by 4.
+DIM_MULTIPLE: dict[str, int] = {"int8": 2, "int4": 4, "fp16": 1, "fp32": 1}
+
+
+#: Bytes of the per-row fp16 scale and bias of int8/int4 rows (stored first in each TBE row).
+SCALE_BIAS_BYTES = 4
+
+
+#: fbgemm pads every row to this many bytes on the CPU (its own CPU default; TorchRec's
+#: quantized EBC defaults to 16, a GPU cache-line choice that would waste up to 15 bytes a row).
+CPU_ROW_ALIGNMENT = 1
+
+
+#: Rows quantized per fbgemm call (bounds the temporary copies to a few MiB per table).
+CHUNK_ROWS = 65536
+
+
+def resolve_class(path: str) -> type:
+    """Imports a class from a dotted path ``pkg.mod.Class``.
+
+    Args:
+        path: the dotted path.
+
+    Returns:
+        The class.
+
+    Raises:
+        ImportError: if the module cannot be imported or lacks the attribute, naming both.
+        TypeError: if the path names something that is not a class.
+    """
+    module_name, _, attr = path.rpartition(".")
+    if not module_name:
+        raise ImportError(f"--module {path!r}: expected a dotted path 'pkg.mod.Class'")
+    try:
+        owner = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ImportError(
+            f"--module {path!r}: cannot import module {module_name!r} ({err})"
+        ) from err
+    if not hasattr(owner, attr):
+        raise ImportError(f"--module {path!r}: module {module_name!r} has no attribute {attr!r}")
+    cls = getattr(owner, attr)
+    if not isinstance(cls, type):
+        raise TypeError(f"--module {path!r} is a {type(cls).__name__}, not a class")
+    return cls
+
+
+def build_module(checkpoint: str | Path, module: str | type | nn.Module) -> nn.Module:
+    """The (LightningModule) instance to export, built from the checkpoint's hyper-parameters.
+
+    Args:
+        checkpoint: the sharded checkpoint directory (its ``meta.pt`` holds Lightning's
+            ``hyper_parameters``, read with ``weights_only=True``).
+        module: a dotted class path, a class, or an instance (used as is).
+
+    Returns:
+        The module (tables typically still on the meta device).
+
+    Raises:
+        ImportError: for an unknown dotted path (see :func:`resolve_class`).
+        TypeError: if the class cannot be built from the saved hyper-parameters.
+    """
+    if isinstance(module, nn.Module):
+        return module
+    cls = resolve_class(module) if isinstance(module, str) else module
+    hparams = dict(load_meta(checkpoint).get("hyper_parameters") or {})
+    try:
+        return cls(**hparams)
+    except TypeError as err:
+        raise TypeError(
+            f"cannot build {cls.__module__}.{cls.__qualname__} from the checkpoint's saved "
+            f"hyper_parameters {sorted(hparams)}: {err}. Pass an instance instead."
+        ) from err
+
+
+def inference_model(module: nn.Module) -> nn.Module:
+    """The part of a (Lightning) module that is exported.
+
+    Args:
+        module: the LightningModule (or any module).
+
+    Returns:
+        ``module.inference_model()`` when defined; else ``module.model_and_loss.model``
+        (``TorchRecModule`` and ``DLRMClickModule``); else ``module``.
+    """
+    chooser = getattr(module, "inference_model", None)
+    if callable(chooser):
+        return chooser()
+    wrapped = getattr(module, "model_and_loss", None)
+    inner = getattr(wrapped, "model", None)
+    return inner if isinstance(inner, nn.Module) else module
+
+
+def _check_dims(dtype: str, configs: list[EmbeddingBagConfig]) -> None:
+    multiple = DIM_MULTIPLE[dtype]
+    bad = [f"{c.name} (dim {c.embedding_dim})" for c in configs if c.embedding_dim % multiple]
+    if bad:
+        raise ValueError(
+            f"dtype {dtype} needs table widths divisible by {multiple} (fbgemm packs each "
+            f"quantized row in 2-byte words); these tables cannot use it: {bad}. "
+            f"Use {'int8 or ' if dtype == 'int4' else ''}fp16."
+        )
+
+
+def quantized_row_bytes(dtype: str, dim: int) -> int:
+    """Bytes of one quantized table row on the CPU (data, scale/bias, padding).
+
+    Args:
+        dtype: a :data:`DTYPES` name.
+        dim: the table width.
+
+    Returns:
+        The row size.
+    """
+    data = dim * DATA_TYPE_NUM_BITS[DTYPES[dtype]] // 8
+    extra = SCALE_BIAS_BYTES if dtype in ("int8", "int4") else 0
+    size = data + extra
+    return -(-size // CPU_ROW_ALIGNMENT) * CPU_ROW_ALIGNMENT
+
+
+def _empty_quantized_ebc(ebc: EmbeddingBagCollection, dtype: str) -> QuantEmbeddingBagCollection:
+    configs = copy.deepcopy(ebc.embedding_bag_configs())
+    for config in configs:
+        config.data_type = DTYPES[dtype]
+    # No weights given: fbgemm allocates the (quantized) buffer once, uninitialised; every table
+    # is written into it as it streams from the checkpoint.
+    return QuantEmbeddingBagCollection(
+        tables=configs,
+        is_weighted=ebc.is_weighted(),
+        device=torch.device("cpu"),
+        output_dtype=torch.float,
+        row_alignment=CPU_ROW_ALIGNMENT,
+    )
+
+
+@torch.no_grad()
+def _write_quantized(rows: torch.Tensor, table: torch.Tensor, dtype: str) -> None:
+    """Quantizes a float table into its TBE rows (``rows``: uint8 ``[N, row bytes]``).
+
+    TorchRec's ``quantize_state_dict`` does the same for a whole module: fbgemm's quantizer
+    puts scale and bias after the data, the TBE stores them first.
+    """
+    bits = DATA_TYPE_NUM_BITS[DTYPES[dtype]]
+    data = table.shape[1] * bits // 8
+    for start in range(0, table.shape[0], CHUNK_ROWS):
+        chunk = table[start : start + CHUNK_ROWS]
+        out = rows[start : start + CHUNK_ROWS]
+        if dtype == "fp32":
+            out[:, :data].copy_(chunk.float().contiguous().view(torch.uint8))
+        elif dtype == "fp16":
+            out[:, :data].copy_(chunk.half().contiguous().view(torch.uint8))
+        else:
+            fused = torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(
+                chunk.float().contiguous(), bits
+            )
+            out[:, :SCALE_BIAS_BYTES].copy_(fused[:, -SCALE_BIAS_BYTES:])
+            out[:, SCALE_BIAS_BYTES : SCALE_BIAS_BYTES + data].copy_(fused[:, :-SCALE_BIAS_BYTES])
+
+
+def _module_paths(root: nn.Module) -> dict[int, str]:
+    return {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
+
+
+def _set_submodule(root: nn.Module, path: str, value: nn.Module) -> None:
+    parent_path, _, attr = path.rpartition(".")
+    parent = root.get_submodule(parent_path) if parent_path else root
+    setattr(parent, attr, value)
+
+
+def _check_checkpoint(
+    checkpoint: Path, expected: dict[str, tuple[int, ...]], stored: dict[str, tuple[int, ...]]
+) -> None:
+    missing = sorted(k for k in expected if k not in stored)
+    extra = sorted(k for k in stored if k not in expected)
+    wrong = [
+        f"{k}: checkpoint {list(stored[k])}, model {list(expected[k])}"
+        for k in sorted(expected)
+        if k in stored and tuple(stored[k]) != tuple(expected[k])
+    ]
+    if not (missing or extra or wrong):
+        return
+    lines = [f"{checkpoint} is not a checkpoint of this model:"]
+    for label, keys in (("missing from the checkpoint", missing), ("not in the model", extra)):
+        if keys:
+            tables = sorted({table_of_key(k) for k in keys if table_of_key(k) != k})
+            lines.append(f"- {label}: tables {tables}; entries {keys[:20]}")
+    if wrong:
+        tables = sorted({table_of_key(w.split(":")[0]) for w in wrong})
+        lines.append(f"- shapes differ (tables {tables}): " + "; ".join(wrong[:20]))
+    raise CheckpointMismatchError("\n".join(lines))
+
+
+def quantize_from_checkpoint(
+    checkpoint: str | Path,
+    module: str | type | nn.Module,
+    dtype: str = "int8",
+    verify: bool = True,
+) -> tuple[nn.Module, dict[str, Any]]:
+    """The inference model of a checkpoint, tables quantized, in one process, no process group.
+
+    Everything is checked before any tensor is read (keys, shapes, dtype and table widths).
+    Tables stream from the checkpoint one at a time and are quantized into the quantized
+    module's buffers; dense tensors are loaded in fp32.
+
+    Args:
+        checkpoint: a sharded checkpoint directory.
+        module: a dotted class path (built from the checkpoint's hyper-parameters), a class, or
+            an instance.
+        dtype: ``"int8"``, ``"int4"``, ``"fp16"`` or ``"fp32"`` (tables only).
+        verify: check the checkpoint's files against its checksum manifest first.
+
+    Returns:
+        ``(model in eval mode, facts)`` where facts holds ``tables`` (``{name: (rows, dim)}``),
+        ``float_table_bytes``, ``quantized_table_bytes``, ``features`` (KJT keys in table
+        order), ``weighted``, ``dense_width``.
+
+    Raises:
+        ValueError: for an unknown dtype or table widths the dtype cannot pack.
+        CheckpointMismatchError: if the checkpoint holds another model, naming the tables.
+        FileNotFoundError: if ``checkpoint`` is not a sharded checkpoint directory.
+        ImportError: for an unknown module path.
+        TypeError: if the module does not hold a TorchRec ``EmbeddingBagCollection`` or holds
+            an ``EmbeddingCollection`` (not supported yet).
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    checkpoint = Path(checkpoint)
+    entries = plain_tensor_index(checkpoint, verify=verify)  # raises for a non-checkpoint
+    root = build_module(checkpoint, module)
+    target = inference_model(root)
+    paths = _module_paths(root)
+    ebcs: dict[str, EmbeddingBagCollection] = {}
+    for _, sub in target.named_modules():
+        if isinstance(sub, EmbeddingCollection):
+            raise TypeError(
+                f"{type(sub).__name__} (sequence embeddings) is not supported by the export; "
+                "only EmbeddingBagCollection"
+            )
+        if isinstance(sub, EmbeddingBagCollection):
+            if id(sub) not in paths:
+                raise TypeError(
+                    "the exported model's EmbeddingBagCollection is not a submodule of the "
+                    "module the checkpoint was saved from, so its checkpoint keys are unknown"
+                )
+            ebcs[paths[id(sub)]] = sub
+    if not ebcs:
+        raise TypeError(f"{type(target).__name__} holds no TorchRec EmbeddingBagCollection")
+    configs = [c for ebc in ebcs.values() for c in ebc.embedding_bag_configs()]
+    _check_dims(dtype, configs)
+
+    expected = {k: tuple(v.shape) for k, v in root.state_dict().items()}
+    _check_checkpoint(checkpoint, expected, {k: tuple(v.size) for k, v in entries.items()})
+
+    # Quantized modules first (one quantized buffer each), then stream the checkpoint.
+    rows_of: dict[str, torch.Tensor] = {}
+    quantized: dict[str, QuantEmbeddingBagCollection] = {}
+    for path, ebc in ebcs.items():
+        qebc = _empty_quantized_ebc(ebc, dtype)
+        quantized[path] = qebc
+        prefix = f"{path}.embedding_bags." if path else "embedding_bags."
+        for config in ebc.embedding_bag_configs():
+            # The TBE row of each table (uint8 view of fbgemm's buffer; int4 tables are wrapped
+            # in UInt4Tensor, whose .view(uint8) is the raw bytes).
+            rows_of[f"{prefix}{config.name}.weight"] = qebc.embedding_bags[config.name].weight.view(
+                torch.uint8
+            )
+        _set_submodule(root, path, qebc)  # the float EBC (meta or not) is dropped here
+    table_prefixes = tuple(f"{p}." if p else "" for p in ebcs)
+    with torch.no_grad():
+        for key, tensor in iter_plain_tensors(checkpoint, verify=False):
+            if key in rows_of:
+                _write_quantized(rows_of.pop(key), tensor, dtype)
+            elif key.startswith(table_prefixes) and table_of_key(key) != key:
+                continue  # other state of an embedding module: not used for inference
+            else:
+                owner_path, _, name = key.rpartition(".")
+                owner = root.get_submodule(owner_path) if owner_path else root
+                current = getattr(owner, name)
+                if isinstance(current, torch.Tensor) and current.is_meta:
+                    value = tensor.to(current.dtype)
+                    if isinstance(current, nn.Parameter):
+                        value = nn.Parameter(value, requires_grad=current.requires_grad)
+                    setattr(owner, name, value)
+                else:
+                    current.copy_(tensor)
+            del tensor
+    left = meta_tensors(target)
+    if left:
+        raise CheckpointMismatchError(f"tensors of the model without values: {left}")
+    target.eval()
+    features = [f for c in configs for f in c.feature_names]
+    facts = {
+        "tables": {c.name: (c.num_embeddings, c.embedding_dim) for c in configs},
+        "float_table_bytes": sum(table_bytes(c) for c in configs),
+        "quantized_table_bytes": sum(
+            c.num_embeddings * quantized_row_bytes(dtype, c.embedding_dim) for c in configs
+        ),
+        "features": features,
+        "weighted": any(e.is_weighted() for e in ebcs.values()),
+        "dense_width": dense_width(root),
+        "example_inputs": getattr(root, "example_inputs", None),
+    }
+    return target, facts

@@ -1,0 +1,20 @@
+"""The Lightning Trainer glue: the strategy, its checkpoint and data hooks, modules, callbacks.
+
+Everything here is for ``lightning.Trainer`` users; the core below (``sharding``, ``training``,
+``checkpoint``, ``export``, ``models``, ``data``) imports nothing of it.
+"""
+
+from lightning_torchrec.lightning.dlrm import DLRMClickModule
+from lightning_torchrec.lightning.module import TorchRecModule
+from lightning_torchrec.lightning.norm_callbacks import EmbeddingNormCallback, WeightNormCallback
+from lightning_torchrec.lightning.preemption import PreemptionCheckpoint
+from lightning_torchrec.lightning.strategy import TorchRecStrategy
+
+__all__ = [
+    "DLRMClickModule",
+    "EmbeddingNormCallback",
+    "PreemptionCheckpoint",
+    "TorchRecModule",
+    "TorchRecStrategy",
+    "WeightNormCallback",
+]

@@ -1,0 +1,111 @@
+"""The checkpoint hooks of ``TorchRecStrategy``: sharded DCP directories instead of one file.
+
+Lightning's default writes rank 0's ``state_dict()`` with ``torch.save``, which holds only rank
+0's shards of every table. These hooks make every rank save and load its own shards through
+:mod:`lightning_torchrec.checkpoint` (collective calls on every rank) and keep Lightning's own
+entries (loops, callbacks, schedulers) in the directory's ``meta.pt``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from typing_extensions import override
+
+from lightning_torchrec.checkpoint import load_sharded, remove_checkpoint, save_sharded
+from lightning_torchrec.training.optim import keyed_optimizer
+
+
+class ShardedCheckpointing:
+    """Mixin for a Lightning strategy over a sharded LightningModule (``TorchRecStrategy``).
+
+    The strategy provides ``lightning_module``, ``optimizers``, ``broadcast``,
+    ``is_global_zero``, ``check_finite_checkpoints``, ``load_optimizer_states``,
+    ``_push_fused_lr`` and ``_collective`` (runs a collective, turning a dead peer's error into
+    ``PeerFailureError``).
+    """
+
+    lightning_module: Any
+    optimizers: list[Any]
+    is_global_zero: bool
+    check_finite_checkpoints: bool
+    load_optimizer_states: bool
+    broadcast: Any
+    _push_fused_lr: Any
+    _collective: Any
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        return self.lightning_module.state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        # The keyed optimizer itself is saved by `save_checkpoint`; Lightning only needs a
+        # placeholder in its list.
+        return {}
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError("TorchRecStrategy.save_checkpoint does not take storage_options")
+        path = Path(self._collective(self.broadcast, str(filepath)))
+        checkpoint = dict(checkpoint)
+        model_state = checkpoint.pop("state_dict", None)
+        has_optim = bool(checkpoint.pop("optimizer_states", None))
+        optimizers = [keyed_optimizer(o) for o in self.optimizers] if has_optim else []
+        assert self.lightning_module is not None
+        save_sharded(
+            path,
+            self.lightning_module,
+            optimizers,
+            checkpoint,
+            model_state=model_state,
+            check_finite_values=self.check_finite_checkpoints,
+        )
+
+    @override
+    def load_checkpoint(
+        self, checkpoint_path: Any, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        path = Path(self._collective(self.broadcast, str(checkpoint_path)))
+        assert self.lightning_module is not None
+        optimizers = [keyed_optimizer(o) for o in self.optimizers]
+        meta = load_sharded(
+            path,
+            self.lightning_module,
+            optimizers,
+            weights_only=True if weights_only is None else weights_only,
+            load_optimizer_states=self.load_optimizer_states,
+        )
+        self._push_fused_lr()
+        return meta
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        # Loaded in place by `load_checkpoint`.
+        pass
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        # Loaded in place by `load_checkpoint`.
+        pass
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            remove_checkpoint(filepath)

@@ -1,0 +1,93 @@
+"""The data hooks of ``TorchRecStrategy``: even batch counts, pipelines fed, resumed epochs.
+
+Sharded tables run collectives in every step, so a rank with fewer batches would leave the others
+waiting: known batch counts are compared when training, validation, test and predict start
+(unknown ones batch by batch, in the step's collective). Dataloaders are handed to the train and
+evaluation pipelines when ``pipeline`` is set, and the restored epoch reaches the sampler before
+the first iterator exists.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+from lightning_torchrec.compat.lightning import processed_epochs
+from lightning_torchrec.training.pipelines import StagePipelines
+from lightning_torchrec.training.step_guard import check_counts
+
+
+def set_sampler_epoch(dataloader: Any, epoch: int) -> None:
+    """Sets ``epoch`` on every sampler of ``dataloader`` that has ``set_epoch``.
+
+    Args:
+        dataloader: a DataLoader (or anything with ``sampler``/``batch_sampler``).
+        epoch: the epoch about to be iterated.
+    """
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    for sampler in (getattr(dataloader, "sampler", None), batch_sampler):
+        for s in (sampler, getattr(sampler, "sampler", None)):
+            if callable(getattr(s, "set_epoch", None)):
+                s.set_epoch(epoch)
+
+
+class DataHooks:
+    """Mixin for ``TorchRecStrategy`` (which provides the annotated attributes)."""
+
+    lightning_module: Any
+    pipeline: str | None
+    _pipelines: StagePipelines | None
+    _collective: Any
+    _stage_pipelines: Any
+
+    def _end_evaluation(self) -> None:
+        if self._pipelines is not None:  # the training pipeline re-attaches at its next step
+            self._pipelines.release(training=False)
+
+    def _check_batch_counts(self, stage: str, count: float) -> None:
+        self._collective(check_counts, count, stage)
+
+    @override
+    def on_train_start(self) -> None:
+        self._check_batch_counts("training", self.lightning_module.trainer.num_training_batches)
+
+    @override
+    def on_validation_start(self) -> None:
+        if self._pipelines is not None:  # evaluation runs the sharded modules' own forwards
+            self._pipelines.detach(training=True)
+        self._check_batch_counts("validation", sum(self.lightning_module.trainer.num_val_batches))
+
+    @override
+    def on_validation_end(self) -> None:
+        self._end_evaluation()
+
+    @override
+    def on_test_end(self) -> None:
+        self._end_evaluation()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._end_evaluation()
+
+    @override
+    def on_test_start(self) -> None:
+        self._check_batch_counts("test", sum(self.lightning_module.trainer.num_test_batches))
+
+    @override
+    def on_predict_start(self) -> None:
+        self._check_batch_counts("predict", sum(self.lightning_module.trainer.num_predict_batches))
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        # Lightning creates the first epoch's iterator before it sets the sampler's epoch and does
+        # not re-create it after a resume: a run resumed at epoch e would replay epoch 0's
+        # shuffle. Setting the restored epoch here (after the checkpoint is loaded, before the
+        # iterator exists) makes resumed runs see the same order as uninterrupted ones.
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            set_sampler_epoch(dataloader, processed_epochs(trainer))
+        if trainer is not None and self.pipeline is not None:
+            return self._stage_pipelines().feed(dataloader, trainer.training)
+        return dataloader

@@ -1,0 +1,281 @@
+"""``TorchRecModule``: the LightningModule for click models built on ``ModelAndLoss``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import IO, Any
+
+import lightning as L
+import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torchmetrics.classification import BinaryAUROC
+
+from lightning_torchrec.checkpoint import load_unsharded
+from lightning_torchrec.models.model_and_loss import ModelAndLoss
+from lightning_torchrec.training.metrics import RecMetrics
+from lightning_torchrec.training.optim import combine_optimizers, dense_parameters
+
+
+def default_optimizer(params: Any) -> torch.optim.Optimizer:
+    """The dense optimizer of ``TorchRecModule`` unless one is given: Adam, lr 1e-3.
+
+    Args:
+        params: the dense parameters.
+
+    Returns:
+        The optimizer.
+    """
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+class TorchRecModule(L.LightningModule):
+    """A LightningModule for click models built on ``ModelAndLoss``.
+
+    Trains, validates and tests; logs ``train/loss``, ``val/loss``, ``val/auroc``,
+    ``test/loss`` and ``test/auroc`` (AUROC from torchmetrics, synchronised across ranks), and
+    the recommendation metrics of ``torchrec.metrics`` (see
+    :mod:`lightning_torchrec.training.metrics`),
+    synchronised across ranks:
+
+    * ``val/ne``, ``val/calibration``, ``val/auprc`` (and ``test/...``) over the whole
+      evaluation;
+    * ``train/{ne,calibration}_{window,lifetime}`` and ``train/{auroc,auprc}_window`` every
+      ``train_metrics_every_n_steps`` steps: the window holds the last
+      ``metrics_window_size`` training samples (over all ranks), lifetime is the whole run
+      since this process started.
+
+    With several tasks (logits ``[B, T]``) every recommendation metric is logged per task, e.g.
+    ``val/ne/{task}``. The dense optimizer and LR schedule are arguments, so no subclass is
+    needed; under ``TorchRecStrategy`` the scheduler drives the fused embedding learning rate
+    too.
+
+    Args:
+        model_and_loss: the wrapped model and loss.
+        optimizer: builds the dense optimizer from the dense parameters (fused tables are
+            excluded automatically). Defaults to Adam with lr 1e-3.
+        lr_scheduler: builds an LR scheduler from the combined optimizer, or None.
+        lr_scheduler_interval: ``"step"`` or ``"epoch"``.
+        task_names: one name per output column of the model (None: one task, ``click``).
+        metrics_window_size: samples (over all ranks) of the training window metrics.
+        train_metrics_every_n_steps: steps between training metric computations (a collective
+            over the ranks); None uses the trainer's ``log_every_n_steps``, 0 turns them off.
+    """
+
+    #: FLOPs of one training batch for Lightning's ``ThroughputMonitor``; None: not measured.
+    flops_per_batch: int | None = None
+
+    def __init__(
+        self,
+        model_and_loss: ModelAndLoss,
+        optimizer: OptimizerCallable = default_optimizer,
+        lr_scheduler: LRSchedulerCallable | None = None,
+        lr_scheduler_interval: str = "step",
+        task_names: list[str] | None = None,
+        metrics_window_size: int = 100_000,
+        train_metrics_every_n_steps: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.model_and_loss = model_and_loss
+        self.optimizer_factory = optimizer
+        self.lr_scheduler_factory = lr_scheduler
+        self.lr_scheduler_interval = lr_scheduler_interval
+        self.val_auroc = BinaryAUROC()
+        self.test_auroc = BinaryAUROC()
+        self.task_names = list(task_names) if task_names else ["click"]
+        self.metrics_window_size = metrics_window_size
+        self.train_metrics_every_n_steps = train_metrics_every_n_steps
+        # Plain attribute, not submodules: metric states stay out of state_dict and checkpoints.
+        self.rec_metrics: dict[str, RecMetrics] = {}
+
+    def _metrics(self, stage: str) -> RecMetrics:
+        if stage not in self.rec_metrics:
+            train = stage == "train"
+            self.rec_metrics[stage] = RecMetrics(
+                self.task_names,
+                # AUROC of an evaluation comes from torchmetrics (``{stage}/auroc``).
+                metrics=("ne", "calibration", "auroc", "auprc")
+                if train
+                else ("ne", "calibration", "auprc"),
+                # An evaluation's window holds all of its samples.
+                window_size=self.metrics_window_size if train else 2**40,
+            )
+        return self.rec_metrics[stage]
+
+    def _update_metrics(self, stage: str, outputs: dict[str, Any], labels: torch.Tensor) -> None:
+        logits = outputs["logits"].detach().float()
+        shape = labels.shape if len(self.task_names) == 1 else (-1, len(self.task_names))
+        weights = outputs.get("weights")
+        self._metrics(stage).update(
+            torch.sigmoid(logits.reshape(shape)),
+            labels.reshape(shape),
+            None if weights is None else weights.detach(),
+        )
+
+    @classmethod
+    def load_from_checkpoint(
+        cls,
+        checkpoint_path: str | os.PathLike[str] | IO[bytes],
+        map_location: Any = None,
+        hparams_file: str | os.PathLike[str] | None = None,
+        strict: bool | None = None,
+        weights_only: bool | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """The model of a checkpoint: a sharded checkpoint directory or a single file.
+
+        A sharded checkpoint directory (written by ``TorchRecStrategy``) is loaded in this one
+        process by :func:`lightning_torchrec.checkpoint.load_unsharded`: the module is built
+        from the saved hyper-parameters (``kwargs`` override them), tables on the meta device
+        are materialised on the CPU, and every tensor is read one at a time, verified. Anything
+        else goes to Lightning's ``LightningModule.load_from_checkpoint``.
+
+        Args:
+            checkpoint_path: a sharded checkpoint directory, or what Lightning accepts.
+            map_location: for a directory: a device to move the model to (default CPU).
+            hparams_file: Lightning's argument; not supported for a directory.
+            strict: raise when the checkpoint and the model do not hold the same tensors.
+            weights_only: read the hyper-parameters with ``torch.load(weights_only=...)``.
+            **kwargs: constructor arguments overriding the saved hyper-parameters.
+
+        Returns:
+            The model (unsharded).
+
+        Raises:
+            ValueError: if ``hparams_file`` is given with a checkpoint directory.
+        """
+        if isinstance(checkpoint_path, str | os.PathLike) and Path(checkpoint_path).is_dir():
+            if hparams_file is not None:
+                raise ValueError(
+                    "hparams_file is not supported for a sharded checkpoint directory; pass the "
+                    "constructor arguments as keyword arguments instead"
+                )
+            model = load_unsharded(
+                checkpoint_path,
+                cls,
+                strict=strict is not False,
+                weights_only=weights_only is not False,
+                **kwargs,
+            )
+            if isinstance(map_location, str | torch.device):
+                model = model.to(map_location)
+            return model
+        return super().load_from_checkpoint(
+            checkpoint_path, map_location, hparams_file, strict, weights_only, **kwargs
+        )
+
+    def forward(self, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Runs ``ModelAndLoss`` on a batch.
+
+        Args:
+            batch: the batch.
+
+        Returns:
+            ``(loss, outputs)``.
+        """
+        return self.model_and_loss(batch)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """One training step; logs ``train/loss``.
+
+        Args:
+            batch: the batch.
+            batch_idx: its index.
+
+        Returns:
+            The loss.
+        """
+        loss, outputs = self(batch)
+        n = len(batch.labels)
+        # In the progress bar only when there is one: Lightning reads progress-bar values every
+        # step (a GPU-to-host sync on CUDA).
+        bar = self._trainer is not None and self.trainer.progress_bar_callback is not None
+        self.log("train/loss", loss, prog_bar=bar, batch_size=n)
+        every = self.train_metrics_every_n_steps
+        if every is None:
+            every = self.trainer.log_every_n_steps if self._trainer is not None else 0
+        if every > 0:
+            self._update_metrics("train", outputs, batch.labels)
+            if (self.global_step + 1) % every == 0:
+                values = self._metrics("train").named("train")
+                self.log_dict(values, batch_size=n, on_step=True, on_epoch=False)
+        return loss
+
+    def _eval_step(self, batch: Any, stage: str, auroc: BinaryAUROC) -> torch.Tensor:
+        loss, outputs = self(batch)
+        probs = torch.sigmoid(outputs["logits"].detach().reshape(batch.labels.shape).float())
+        auroc.update(probs, batch.labels.long())
+        self._update_metrics(stage, outputs, batch.labels)
+        n = len(batch.labels)
+        self.log(f"{stage}/loss", loss, sync_dist=True, batch_size=n)
+        self.log(f"{stage}/auroc", auroc, prog_bar=stage == "val", batch_size=n)
+        return loss
+
+    def _log_eval_metrics(self, stage: str) -> None:
+        metrics = self.rec_metrics.pop(stage, None)
+        if metrics is not None:
+            # Already global (TorchRec's metrics reduce over the ranks); sync_dist averages
+            # equal values and tells Lightning so.
+            values = metrics.named(stage, scope="lifetime")
+            self.log_dict(values, on_step=False, on_epoch=True, sync_dist=True)
+
+    def on_validation_epoch_end(self) -> None:
+        """Logs ``val/ne``, ``val/calibration`` and ``val/auprc`` of the whole validation."""
+        self._log_eval_metrics("val")
+
+    def on_test_epoch_end(self) -> None:
+        """Logs ``test/ne``, ``test/calibration`` and ``test/auprc`` of the whole test."""
+        self._log_eval_metrics("test")
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """Logs ``val/loss`` and ``val/auroc``.
+
+        Args:
+            batch: the batch.
+            batch_idx: its index.
+
+        Returns:
+            The loss.
+        """
+        return self._eval_step(batch, "val", self.val_auroc)
+
+    def test_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """Logs ``test/loss`` and ``test/auroc``.
+
+        Args:
+            batch: the batch.
+            batch_idx: its index.
+
+        Returns:
+            The loss.
+        """
+        return self._eval_step(batch, "test", self.test_auroc)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """Click probabilities for a batch.
+
+        Args:
+            batch: the batch.
+            batch_idx: its index.
+
+        Returns:
+            ``[B]`` probabilities.
+        """
+        _, outputs = self(batch)
+        return torch.sigmoid(outputs["logits"].reshape(-1))
+
+    def configure_optimizers(self) -> Any:
+        """Dense optimizer on the dense parameters, combined with the fused embedding optimizer.
+
+        Returns:
+            The optimizer, and the LR scheduler config when one was given.
+        """
+        dense = self.optimizer_factory(dense_parameters(self))
+        optimizer = combine_optimizers(dense, self)
+        if self.lr_scheduler_factory is None:
+            return optimizer
+        scheduler = self.lr_scheduler_factory(optimizer)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": self.lr_scheduler_interval},
+        }

@@ -1,0 +1,254 @@
+"""Callbacks that log weight norms and sampled embedding-table norms to every attached logger."""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+from lightning_torchrec.distributed import is_distributed
+from lightning_torchrec.sharding.tables import embedding_tables, table_of_key
+from lightning_torchrec.training.ebc_norms import log_ebc_norms
+from lightning_torchrec.training.norms import is_whole_table_norm, l2_norm, weights_to_log
+
+HowToLog = Callable[[torch.Tensor], Any] | Mapping[str, Callable[[torch.Tensor], Any]] | None
+
+
+class _NormCallback(Callback):
+    """Cadence and logging shared by the norm callbacks; subclasses compute the values.
+
+    Values are computed only on logging steps, on every rank (the maths is collective), and
+    written by rank 0 with ``logger.log_metrics(values, step=global_step)`` to every logger.
+    """
+
+    def __init__(self, every_n_steps: int | None) -> None:
+        if every_n_steps is not None and every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1 or None, got {every_n_steps}")
+        self.every_n_steps = every_n_steps
+        self._last_logged_step = -1
+
+    def _compute(self, pl_module: L.LightningModule) -> dict[str, float]:
+        raise NotImplementedError
+
+    def _prepare(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Resolves names and validates arguments; raises before any step on bad input."""
+
+    def _cadence(self, trainer: L.Trainer) -> int:
+        return self.every_n_steps or trainer.log_every_n_steps
+
+    def _check_loggers(self, trainer: L.Trainer) -> None:
+        if not trainer.loggers:
+            raise MisconfigurationException(
+                f"Cannot use {type(self).__name__} with Trainer(logger=False): attach a logger "
+                "(e.g. TensorBoardLogger) to see the norms."
+            )
+
+    def _log(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        step = trainer.global_step
+        values = self._compute(pl_module)
+        self._last_logged_step = step
+        if not trainer.is_global_zero:
+            return
+        bad = sorted(k for k, v in values.items() if not math.isfinite(v))
+        if bad:
+            rank_zero_warn(f"Non-finite norms at step {step}: {bad}")
+        for logger in trainer.loggers:
+            logger.log_metrics(values, step=step)
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._check_loggers(trainer)
+        self._prepare(trainer, pl_module)
+
+    @override
+    def on_train_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        step = trainer.global_step
+        # With gradient accumulation several batches end on the same optimizer step (the first
+        # ones before any step at all): log once, after the step.
+        if step == 0 or step == self._last_logged_step:
+            return
+        if step % self._cadence(trainer) == 0 or trainer.should_stop:
+            self._log(trainer, pl_module)
+
+    @override
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn != TrainerFn.FITTING:
+            self._check_loggers(trainer)
+            self._prepare(trainer, pl_module)
+
+    @override
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Validation-only runs (trainer.validate) log the norms of the weights they evaluated.
+        if trainer.state.fn != TrainerFn.FITTING and not trainer.sanity_checking:
+            self._log(trainer, pl_module)
+
+    @property
+    @override
+    def state_key(self) -> str:
+        # Two callbacks of one type with different arguments keep separate state.
+        return f"{type(self).__qualname__}{self._state_key_args()!r}"
+
+    def _state_key_args(self) -> dict[str, Any]:
+        return {"every_n_steps": self.every_n_steps}
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_logged_step": self._last_logged_step}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._last_logged_step = int(state_dict.get("last_logged_step", -1))
+
+
+class WeightNormCallback(_NormCallback):
+    """Logs per-parameter norms (``weights_to_log`` semantics) of a possibly sharded model.
+
+    For sharded tables the built-in norms are the norm of the whole table across ranks (one
+    collective per logging step for all parameters); replicated parameters count once. Tags are
+    ``model/{fn name}/{parameter name}`` (e.g. ``model/l2_norm/...``), one TensorBoard section.
+
+    Args:
+        how_to_log: one callable for every parameter, ``{parameter name: callable}`` for some, or
+            None for the L2 norm of every parameter (see ``lightning_torchrec.training.norms``).
+        every_n_steps: logging cadence in optimizer steps; None follows the Trainer's
+            ``log_every_n_steps``.
+
+    Raises:
+        ValueError: for a non-positive ``every_n_steps``.
+        TypeError: if ``how_to_log`` is neither callable, mapping nor None.
+    """
+
+    def __init__(self, how_to_log: HowToLog = None, every_n_steps: int | None = None) -> None:
+        super().__init__(every_n_steps)
+        if (
+            how_to_log is not None
+            and not callable(how_to_log)
+            and not isinstance(how_to_log, Mapping)
+        ):
+            raise TypeError(f"how_to_log must be a callable or a mapping, got {type(how_to_log)}")
+        self.how_to_log = how_to_log
+
+    @override
+    def _state_key_args(self) -> dict[str, Any]:
+        how = self.how_to_log
+        names = sorted(how) if isinstance(how, Mapping) else getattr(how, "__name__", repr(how))
+        return {"every_n_steps": self.every_n_steps, "how_to_log": names}
+
+    @override
+    def _prepare(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if isinstance(self.how_to_log, Mapping):
+            names = {n for n, _ in pl_module.named_parameters()}
+            unknown = sorted(set(self.how_to_log) - names)
+            if unknown:
+                hints = {u: difflib.get_close_matches(u, names, n=3) for u in unknown}
+                raise KeyError(
+                    f"WeightNormCallback(how_to_log=...) names unknown parameters {unknown}; "
+                    f"closest: {hints}"
+                )
+
+    @override
+    def _compute(self, pl_module: L.LightningModule) -> dict[str, float]:
+        values = {k: float(v) for k, v in weights_to_log(pl_module, self.how_to_log).items()}
+        how = self.how_to_log
+        fns = list(how.values()) if isinstance(how, Mapping) else [how or l2_norm]
+        if is_distributed() and not all(is_whole_table_norm(fn) for fn in fns):
+            # Other callables give per-rank values (``/rank{r}`` keys): rank 0 logs them all.
+            gathered: list[Any] = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(gathered, values)
+            for rank_values in gathered:
+                values.update(rank_values)
+        return values
+
+
+class EmbeddingNormCallback(_NormCallback):
+    """Logs sampled mean row norms of embedding tables (``log_ebc_norms`` semantics).
+
+    Per table and rank: the mean L2 norm of at most ``sample_size`` of that rank's rows (a fixed
+    sample under ``seed``, so the curve follows the same rows); -1 for a rank without rows of the
+    table; plus the mean norm of whole rows over a sample of the table. Tags:
+    ``embedding_norms/{table}-norm-{rank}`` and ``embedding_norms/{table}-norm-mean``. For a
+    column-wise table each rank's value is over the columns it holds; the mean is always over
+    whole rows (the parts on several ranks are combined).
+
+    Args:
+        tables: table names (e.g. ``"t_cat_0"``) or state-dict keys; None for every table.
+        sample_size: most rows read per table and rank.
+        every_n_steps: cadence in optimizer steps; None follows ``log_every_n_steps``.
+        seed: seed of the row sample.
+
+    Raises:
+        ValueError: for a non-positive ``sample_size`` or ``every_n_steps``.
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[str] | None = None,
+        sample_size: int = 4_000_000,
+        every_n_steps: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(every_n_steps)
+        if sample_size < 1:
+            raise ValueError(f"sample_size must be >= 1, got {sample_size}")
+        self.tables = list(tables) if tables is not None else None
+        self.sample_size = sample_size
+        self.seed = seed
+        self._keys: dict[str, str] = {}
+
+    @override
+    def _state_key_args(self) -> dict[str, Any]:
+        return {
+            "every_n_steps": self.every_n_steps,
+            "tables": self.tables,
+            "sample_size": self.sample_size,
+        }
+
+    @override
+    def _prepare(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        available = list(embedding_tables(pl_module))
+        if not available:
+            raise MisconfigurationException(
+                "EmbeddingNormCallback found no EmbeddingBagCollection/EmbeddingCollection "
+                "table in the LightningModule."
+            )
+        by_name = {table_of_key(k): k for k in available}
+        if self.tables is None:
+            self._keys = {table_of_key(k): k for k in available}
+            return
+        unknown = [t for t in self.tables if t not in by_name and t not in available]
+        if unknown:
+            hints = {u: difflib.get_close_matches(u, list(by_name), n=3) for u in unknown}
+            raise KeyError(
+                f"EmbeddingNormCallback(tables=...) names unknown tables {unknown}; "
+                f"closest: {hints}; the model has {sorted(by_name)}"
+            )
+        self._keys = {table_of_key(by_name.get(t, t)): by_name.get(t, t) for t in self.tables}
+
+    @override
+    def _compute(self, pl_module: L.LightningModule) -> dict[str, float]:
+        tables = embedding_tables(pl_module)
+        values = log_ebc_norms(
+            tables, list(self._keys.values()), sample_size=self.sample_size, seed=self.seed
+        )
+        out = {}
+        for name, key in self._keys.items():
+            for k, v in values.items():
+                if k.startswith(f"{key}-norm-"):
+                    out[f"embedding_norms/{name}{k[len(key) :]}"] = float(v)
+        return out

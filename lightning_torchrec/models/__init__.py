@@ -1,0 +1,1 @@
+"""Models: ``ModelAndLoss`` (``forward(batch) -> (loss, outputs)``) and DLRM's tables."""

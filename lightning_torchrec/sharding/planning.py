@@ -1,0 +1,356 @@
+"""Sharding plans and the ONE place that builds ``DistributedModelParallel``.
+
+:func:`shard_model` runs the configuration checks, plans on rank 0 (one plan for every rank;
+a planning failure is raised on every rank), wraps the model in ``DistributedModelParallel`` and
+keeps the values of tables that were built whole, and makes every sharded embedding module
+return its outputs in the unsharded module's key order
+(:mod:`lightning_torchrec.sharding.key_order`), so a model computes the same function under every
+plan and world size. ``TorchRecStrategy`` and :func:`maybe_shard_model` both call it, so both get
+the same default sharders (TorchRec's, with the fused optimizer of
+:func:`~lightning_torchrec.sharding.sharders.default_fused_params`), topology and checks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.model_parallel import DataParallelWrapper, DistributedModelParallel
+from torchrec.distributed.planner import EmbeddingShardingPlanner
+from torchrec.distributed.planner.storage_reservations import HeuristicalStorageReservation
+from torchrec.distributed.planner.types import (
+    KernelConfig,
+    ParameterConstraints,
+    Topology,
+    TopologyFactory,
+    TrainerConfig,
+)
+from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
+
+from lightning_torchrec.compat.upstream import planner_topology
+from lightning_torchrec.distributed import broadcast_from_rank0
+from lightning_torchrec.sharding.key_order import keep_key_order
+from lightning_torchrec.sharding.layout import copy_into_shards
+from lightning_torchrec.sharding.plan_summary import PlanSummary, summarize_plan
+from lightning_torchrec.sharding.setup_checks import (
+    check_constraints_for_device,
+    check_constraints_match_model,
+    check_fused_optimizer_for_device,
+    check_plan,
+    check_plan_matches_model,
+    device_constraints,
+    explain_planner_error,
+    warn_materialized,
+)
+from lightning_torchrec.sharding.sharders import default_sharders
+from lightning_torchrec.sharding.tables import (
+    FeatureSpec,
+    dense_bytes,
+    dense_width,
+    embedding_modules,
+    embedding_tables,
+    feature_specs,
+    materialized_tables,
+    unwrap,
+)
+
+logger = logging.getLogger(__name__)
+
+#: TorchRec's planner heuristic: dense parameters cost about 6x their size (weights, optimizer
+#: state, DDP buckets).
+DENSE_MULTIPLIER = 6
+
+
+def make_topology(
+    world_size: int,
+    local_world_size: int,
+    compute_device: str,
+    **trainer_config: Any,
+) -> Topology:
+    """A planner ``Topology`` for the Trainer's processes.
+
+    Lightning's launcher does not set ``LOCAL_WORLD_SIZE``; without it TorchRec assumes 8 local
+    devices, so it is passed explicitly.
+
+    Args:
+        world_size: total number of processes.
+        local_world_size: processes per node.
+        compute_device: ``"cpu"`` or ``"cuda"``.
+        **trainer_config: further ``TrainerConfig`` fields (e.g. ``hbm_cap_bytes``).
+
+    Returns:
+        The topology.
+    """
+    return TopologyFactory.create_topology(
+        trainer_config=TrainerConfig(
+            world_size=world_size, local_world_size=local_world_size, **trainer_config
+        ),
+        kernel_config=KernelConfig(compute_device=compute_device),
+    )
+
+
+def make_planner(
+    model: nn.Module,
+    topology: Topology,
+    constraints: dict[str, ParameterConstraints] | None = None,
+) -> EmbeddingShardingPlanner:
+    """TorchRec's planner, reserving memory for the dense part from the model's own parameters.
+
+    TorchRec's default reservation guesses the dense size by materialising nothing (a wrong
+    guess for meta models, with a warning) unless it is given ``dense_tensor_estimate``; this
+    passes ``DENSE_MULTIPLIER`` times the bytes of the parameters and buffers outside the
+    embedding modules.
+
+    Args:
+        model: the unsharded model.
+        topology: from :func:`make_topology`.
+        constraints: per-table planner constraints.
+
+    Returns:
+        The planner.
+    """
+    with warnings.catch_warnings():
+        # TorchRec 1.8+ warns on every construction, even with the estimate it asks for.
+        warnings.filterwarnings("ignore", "HeuristicalStorageReservation", FutureWarning)
+        reservation = HeuristicalStorageReservation(
+            percentage=0.15, dense_tensor_estimate=max(DENSE_MULTIPLIER * dense_bytes(model), 1)
+        )
+    return EmbeddingShardingPlanner(
+        topology=topology, constraints=constraints, storage_reservation=reservation
+    )
+
+
+def plan_collectively(
+    planner: Any, model: nn.Module, sharders: list[Any], topology: Any = None
+) -> ShardingPlan:
+    """Plans on rank 0 and gives the plan to every rank; a failure is raised on every rank.
+
+    TorchRec's ``collective_plan`` leaves the other ranks waiting in the broadcast until the
+    collective timeout when planning fails on rank 0.
+
+    Args:
+        planner: an ``EmbeddingShardingPlanner``.
+        model: the unsharded model.
+        sharders: the sharders.
+        topology: the planner's topology, to explain a failure.
+
+    Returns:
+        The plan, the same on every rank.
+
+    Raises:
+        ValueError: on every rank when planning failed, with the bytes needed and offered.
+    """
+
+    def plan() -> ShardingPlan:
+        try:
+            return planner.plan(model, sharders)
+        except Exception as e:
+            raise ValueError(explain_planner_error(e, model, topology)) from e
+
+    return broadcast_from_rank0(plan)
+
+
+@dataclass(frozen=True)
+class ShardingConfig:
+    """How to shard: the arguments of :func:`shard_model`, checked once.
+
+    Attributes:
+        sharders: TorchRec sharders; None: :func:`default_sharders` with ``fused_params``.
+        plan: a ready ``ShardingPlan``; skips planning.
+        constraints: ``{table name: ParameterConstraints}`` for the planner.
+        fused_params: fused embedding optimizer settings for the default sharders.
+        planner: a planner to use instead of :func:`make_planner`'s.
+
+    Raises:
+        ValueError: for ``sharders`` with ``fused_params``, or ``plan`` with ``constraints`` or
+            ``planner``.
+    """
+
+    sharders: list[ModuleSharder[nn.Module]] | None = None
+    plan: ShardingPlan | None = None
+    constraints: dict[str, ParameterConstraints] | None = None
+    fused_params: dict[str, Any] | None = None
+    planner: EmbeddingShardingPlanner | None = None
+
+    def __post_init__(self) -> None:
+        if self.sharders is not None and self.fused_params is not None:
+            raise ValueError(
+                "Pass `fused_params` to your sharders (e.g. "
+                "EmbeddingBagCollectionSharder(fused_params=...)) or pass no sharders; "
+                "fused_params only configure the default sharders."
+            )
+        if self.plan is not None and (self.constraints is not None or self.planner is not None):
+            raise ValueError("`constraints` and `planner` make a plan; a plan was given: pass one.")
+
+    def resolved_sharders(self) -> list[ModuleSharder[nn.Module]]:
+        """The sharders to use.
+
+        Returns:
+            ``sharders``, or the defaults with ``fused_params``.
+        """
+        return self.sharders if self.sharders is not None else default_sharders(self.fused_params)
+
+
+class ShardedModel(NamedTuple):
+    """What :func:`shard_model` built.
+
+    Attributes:
+        dmp: the ``DistributedModelParallel`` wrapping the model.
+        plan: the sharding plan in use.
+        summary: the plan, readably (computed before sharding replaced the table configs).
+        feature_specs: what each sparse feature may hold (from the unsharded tables).
+        dense_width: the dense input width the model declares, or None.
+    """
+
+    dmp: DistributedModelParallel
+    plan: ShardingPlan
+    summary: PlanSummary
+    feature_specs: dict[str, FeatureSpec]
+    dense_width: int | None
+
+
+#: Models sharded in this process: a module is sharded once; a later Trainer reuses it.
+_SHARDED: weakref.WeakKeyDictionary[nn.Module, ShardedModel] = weakref.WeakKeyDictionary()
+
+
+def _reuse(sharded: ShardedModel, fused_params: dict[str, Any] | None) -> ShardedModel:
+    """The model sharded by an earlier call, with a new fused learning rate if one is given."""
+    lr = (fused_params or {}).get("learning_rate")
+    if lr is not None:
+        for group in sharded.dmp.fused_optimizer.param_groups:
+            group["lr"] = lr
+    logger.info("The model was sharded before in this process: reusing its sharding.")
+    return sharded
+
+
+def shard_model(
+    model: nn.Module,
+    device: torch.device,
+    *,
+    local_world_size: int | None = None,
+    plan: ShardingPlan | None = None,
+    sharders: list[ModuleSharder[nn.Module]] | None = None,
+    constraints: dict[str, ParameterConstraints] | None = None,
+    fused_params: dict[str, Any] | None = None,
+    planner: EmbeddingShardingPlanner | None = None,
+    data_parallel_wrapper: DataParallelWrapper | None = None,
+) -> ShardedModel:
+    """Checks the configuration, plans (unless ``plan`` is given) and wraps ``model`` in DMP.
+
+    Collective: call on every rank of the default process group. Tables built on the meta device
+    are materialised only as shards; tables built whole keep their values (with a warning). A
+    module is sharded once per process: a later call (a second ``Trainer.fit``, a fine-tune
+    stage) reuses its sharding, applying a new fused ``learning_rate`` if one is given.
+
+    Args:
+        model: the unsharded model (tables usually on the meta device).
+        device: this rank's device.
+        local_world_size: processes per node (default: ``LOCAL_WORLD_SIZE``, else the world size).
+        plan: a ready ``ShardingPlan``; skips planning.
+        sharders: TorchRec sharders; default :func:`default_sharders` with ``fused_params``.
+        constraints: ``{table name: ParameterConstraints}`` for the planner.
+        fused_params: fused embedding optimizer settings for the default sharders.
+        planner: a planner to use instead of :func:`make_planner`'s.
+        data_parallel_wrapper: how DMP wraps the dense part.
+
+    Returns:
+        The DMP, the plan and its summary.
+
+    Raises:
+        ValueError: for ``sharders`` with ``fused_params``, ``plan`` with ``constraints`` or
+            ``planner``, and every configuration error of
+            :mod:`lightning_torchrec.sharding.setup_checks` (on every rank).
+    """
+    config = ShardingConfig(sharders, plan, constraints, fused_params, planner)
+    if model in _SHARDED:
+        return _reuse(_SHARDED[model], fused_params)
+    world_size = dist.get_world_size()
+    compute_device = "cuda" if device.type == "cuda" else "cpu"
+    check_constraints_for_device(constraints, compute_device)
+    check_constraints_match_model(constraints, model)
+    if plan is not None:
+        check_plan_matches_model(plan, model)
+    sharders = config.resolved_sharders()
+    check_fused_optimizer_for_device(sharders, compute_device)
+    if plan is None:
+        if planner is None:
+            local = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+            topology = make_topology(world_size, local, compute_device)
+            planner = make_planner(
+                model, topology, device_constraints(model, constraints, compute_device)
+            )
+        plan = plan_collectively(planner, model, sharders, planner_topology(planner))
+    check_plan(plan, world_size, compute_device, model)
+    summary = summarize_plan(model, plan, world_size)
+    modules = embedding_modules(model)  # before DMP replaces them with sharded ones
+    specs = feature_specs(model)
+    materialized = materialized_tables(model)
+    warn_materialized(materialized)
+    dmp = DistributedModelParallel(
+        model,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=device,
+        plan=plan,
+        sharders=sharders,
+        data_parallel_wrapper=data_parallel_wrapper,
+    )
+    if materialized:
+        # DistributedModelParallel re-initialises shards; keep the values the user built.
+        copy_into_shards(materialized, embedding_tables(model))
+    inner = unwrap(dmp)
+    for path, configs in modules.items():
+        keep_key_order(inner.get_submodule(path) if path else inner, configs)
+    _SHARDED[model] = ShardedModel(dmp, plan, summary, specs, dense_width(model))
+    return _SHARDED[model]
+
+
+def maybe_shard_model(
+    model: nn.Module,
+    device: torch.device,
+    *,
+    plan: ShardingPlan | None = None,
+    sharders: list[ModuleSharder[nn.Module]] | None = None,
+    constraints: dict[str, ParameterConstraints] | None = None,
+    fused_params: dict[str, Any] | None = None,
+) -> nn.Module:
+    """Wraps ``model`` in ``DistributedModelParallel`` when ``torch.distributed`` is initialised.
+
+    The same path as ``TorchRecStrategy`` (:func:`shard_model`): rank 0 plans for
+    ``world_size`` ranks, ``LOCAL_WORLD_SIZE`` per host (default: all on one), on ``device.type``,
+    with TorchRec's default sharders carrying
+    :func:`~lightning_torchrec.sharding.sharders.default_fused_params`.
+
+    Args:
+        model: the model, typically with embedding modules on the ``meta`` device.
+        device: this rank's device (``cpu`` or ``cuda:N``).
+        plan: a ready ``ShardingPlan``; skips planning.
+        sharders: TorchRec module sharders.
+        constraints: ``{table name: ParameterConstraints}`` for the planner.
+        fused_params: fused-optimizer settings for the default sharders.
+
+    Returns:
+        The ``DistributedModelParallel`` model, or ``model`` itself without a process group.
+
+    Raises:
+        ValueError: see :func:`shard_model`.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        logger.info("torch.distributed is not initialised: the model is not sharded.")
+        return model
+    sharded = shard_model(
+        model,
+        device,
+        plan=plan,
+        sharders=sharders,
+        constraints=constraints,
+        fused_params=fused_params,
+    )
+    logger.info("Sharding the model with plan:\n%s", sharded.summary.to_markdown())
+    return sharded.dmp

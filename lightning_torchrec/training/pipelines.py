@@ -1,0 +1,464 @@
+"""TorchRec's train pipelines under Lightning's loop, with ``training_step`` unchanged.
+
+``TrainPipelineSparseDist`` overlaps the next batch's host-to-device copy and sparse input
+all-to-all with the current batch's forward and backward; ``TrainPipelineSemiSync`` also looks
+the next batch's embeddings up before this batch's table update, so their output all-to-all
+overlaps the backward. A TorchRec pipeline normally owns the loop (``progress(dataloader_iter)``
+runs forward, backward and optimizer step). Here Lightning keeps the loop, the backward and the
+optimizer step:
+
+* :class:`PipelineFeed` wraps the training dataloader: Lightning and the pipeline read the same
+  batches through ``itertools.tee`` (the pipeline reads up to three batches ahead); each epoch's
+  iterator resets the pipeline.
+* :class:`SparseDistPipeline` runs ``progress()`` once per Lightning training step with a model
+  forward that is the strategy's ``training_step`` on the pipeline's (device) copy of the batch;
+  the pipeline's own backward and optimizer step are disabled
+  (:class:`~lightning_torchrec.compat.pipelines.ForwardOnlySparseDist`), so the order of
+  collectives and updates is TorchRec's: input dist of batch ``i + 1`` before the forward of
+  batch ``i``, its completion before the backward of batch ``i``.
+* :class:`SemiSyncPipeline` runs TorchRec's semi-sync ``progress()`` cut in two
+  (:class:`~lightning_torchrec.compat.pipelines.StagedSemiSync`): up to the backward inside the
+  training step, the tables' backward (their fused update) right after Lightning's backward.
+* A model TorchRec cannot trace (:meth:`SparseDistPipeline.first_step`) trains unpipelined.
+* Validation, test and predict run through a forward-only sparse-dist pipeline with the model in
+  eval mode (``progress()`` then runs the forward only: the shape of TorchRec's
+  ``EvalPipelineSparseDist``, whose fixed ``model(batch)`` forward cannot call
+  ``validation_step``). The training pipeline detaches (restores the sharded modules' forwards)
+  before evaluation and re-attaches at the next training step; the evaluation one detaches at
+  the end of each evaluation.
+
+The pipeline traces ``LightningModule.forward(batch)`` (TorchRec's FX tracer) to find the inputs
+of the sharded modules: ``training_step`` must reach them through ``forward`` with the same batch.
+Where TorchRec cannot pipeline a sharded module, :meth:`SparseDistPipeline.unpipelined` names it
+and the strategy trains without the pipeline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from torch import nn
+from torchrec.distributed.types import ShardedModule
+
+from lightning_torchrec.compat.pipelines import (
+    ForwardOnlySparseDist,
+    StagedSemiSync,
+    pipelined_modules,
+)
+from lightning_torchrec.training.pipeline_feed import Lookahead, PipelineFeed
+
+PIPELINES = (None, "sparse_dist", "semi_sync")
+
+#: ``pipeline_options`` each pipeline takes (TorchRec's constructor arguments of the same name).
+PIPELINE_OPTIONS: dict[str, set[str]] = {"sparse_dist": set(), "semi_sync": {"start_batch"}}
+
+#: TorchRec's default for ``TrainPipelineSemiSync(start_batch=...)``.
+SEMI_SYNC_START_BATCH = 900
+
+
+def check_pipeline_options(pipeline: str | None, options: dict[str, Any] | None) -> dict[str, Any]:
+    """Checks ``TorchRecStrategy(pipeline_options=...)`` against the chosen pipeline.
+
+    Args:
+        pipeline: the pipeline's name (one of :data:`PIPELINES`).
+        options: its options: ``{"start_batch": N}`` for ``"semi_sync"`` (the first global step
+            whose next batch is looked up before the update; TorchRec's default, 900, keeps the
+            first steps synchronous).
+
+    Returns:
+        The options (a copy; empty when None).
+
+    Raises:
+        ValueError: for an unknown pipeline, an option the pipeline does not take (naming it), or
+            a ``start_batch`` that is not a non-negative int.
+    """
+    if pipeline not in PIPELINES:
+        raise ValueError(f"pipeline must be one of {PIPELINES}, got {pipeline!r}")
+    options = dict(options or {})
+    allowed = PIPELINE_OPTIONS.get(pipeline or "", set())
+    for key in options:
+        if key not in allowed:
+            why = (
+                " (semi_sync's dense part is always synchronous here: Lightning's optimizer "
+                "step cannot be skipped at the switch)"
+                if key == "stash_gradients"
+                else ""
+            )
+            raise ValueError(
+                f"pipeline_options[{key!r}] is not an option of pipeline={pipeline!r}; it takes "
+                f"{sorted(allowed) or 'none'}{why}"
+            )
+    start = options.get("start_batch", 0)
+    if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+        raise ValueError(f"pipeline_options['start_batch'] must be an int >= 0, got {start!r}")
+    return options
+
+
+class _NoOptimizer:
+    """The pipeline's optimizer: Lightning zeroes gradients and steps the real one."""
+
+    param_groups: list[dict[str, Any]] = []  # noqa: RUF012 (read-only, always empty)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Does nothing.
+
+        Args:
+            set_to_none: ignored.
+        """
+
+    def step(self, closure: Any = None) -> None:
+        """Does nothing.
+
+        Args:
+            closure: ignored.
+        """
+
+
+class SparseDistPipeline:
+    """One TorchRec sparse-dist pipeline driven by Lightning's training steps.
+
+    Args:
+        model: the ``DistributedModelParallel``.
+        device: the rank's device.
+    """
+
+    #: Batches past the current one whose input all-to-all ``progress()`` starts.
+    depth = 1
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self._step: Callable[[Any], Any] | None = None
+        self._pipeline = self._make(model, device)
+        self._model = model
+        self._iterator: Lookahead | None = None
+        self.checked = False
+        self.dropped = False
+
+    #: The TorchRec pipeline class, and its arguments beyond the common ones.
+    _kind: type[ForwardOnlySparseDist | StagedSemiSync] = ForwardOnlySparseDist
+
+    def _options(self) -> dict[str, Any]:
+        return {}
+
+    def _make(
+        self, model: nn.Module, device: torch.device
+    ) -> ForwardOnlySparseDist | StagedSemiSync:
+        return self._kind(
+            model=model,
+            optimizer=_NoOptimizer(),  # type: ignore[arg-type]
+            device=device,
+            execute_all_batches=True,
+            custom_model_fwd=self._forward,
+            **self._options(),
+        )
+
+    def _progress(self, iterator: Iterator[Any]) -> Any:
+        return self._pipeline.progress(iterator)
+
+    def after_backward(self) -> None:
+        """Called after Lightning's backward of a training step (nothing to do here)."""
+
+    def _forward(self, batch: Any) -> tuple[None, Any]:
+        assert self._step is not None
+        return None, self._step(batch)
+
+    def new_epoch(self, iterator: Lookahead) -> None:
+        """Starts over with a new epoch's batches (drops batches still in flight).
+
+        Args:
+            iterator: the pipeline's side of the epoch's iterator.
+        """
+        self._pipeline.reset()
+        self._iterator = iterator
+
+    def ahead(self, batch_idx: int) -> list[tuple[int, Any]]:
+        """The batches this step's ``progress()`` sends that were not checked yet.
+
+        Args:
+            batch_idx: Lightning's index of the current batch.
+
+        Returns:
+            ``(index in the epoch, host batch)`` pairs (see :meth:`Lookahead.ahead`).
+        """
+        if self._iterator is None:
+            return []
+        return self._iterator.ahead(self.depth, batch_idx)
+
+    def feed(self, loader: Any) -> PipelineFeed:
+        """Wraps a training dataloader so the pipeline reads its batches ahead.
+
+        Args:
+            loader: the training dataloader.
+
+        Returns:
+            The wrapped loader (give it to Lightning).
+        """
+        return PipelineFeed(loader, self.new_epoch, lambda: not self.dropped)
+
+    def train_step(self, step: Callable[[Any], Any]) -> Any:
+        """Runs one pipelined step: ``step(device_batch)`` is the forward of the current batch.
+
+        Args:
+            step: runs the training step on the pipeline's copy of the current batch and
+                returns its output (the loss); Lightning does the backward and the update.
+
+        Returns:
+            What ``step`` returned.
+        """
+        assert self._iterator is not None, "the training dataloader was not fed to the pipeline"
+        self._step = step
+        try:
+            return self._progress(self._iterator)
+        finally:
+            self._step = None
+
+    def first_step(self, step: Callable[[Any], Any]) -> tuple[Any, Exception | None]:
+        """:meth:`train_step` for the first step, when TorchRec traces and rewrites the model.
+
+        Args:
+            step: as for :meth:`train_step`.
+
+        Returns:
+            ``(output, None)``; or ``(None, error)`` when TorchRec failed before the forward
+            (e.g. its FX tracer cannot trace ``forward``): the model is detached and the caller
+            runs the step unpipelined.
+        """
+        ran = []
+
+        def tracked(batch: Any) -> Any:
+            ran.append(True)
+            return step(batch)
+
+        try:
+            return self.train_step(tracked), None
+        except Exception as e:
+            if ran:
+                raise
+            self.detach()
+            return None, e
+
+    def run(self, step: Callable[[Any], Any], unpipelined: Callable[[], Any]) -> tuple[Any, bool]:
+        """One step through the pipeline; on the first, check what TorchRec could pipeline.
+
+        Args:
+            step: runs the step on the pipeline's copy of the current batch.
+            unpipelined: runs the step without the pipeline (when TorchRec cannot trace).
+
+        Returns:
+            ``(output, usable)``: ``usable`` False means TorchRec cannot pipeline the model (a
+            warning names why) and ``output`` came from ``unpipelined``; drop the pipeline.
+        """
+        if self.checked:
+            return self.train_step(step), True
+        self.checked = True
+        output, error = self.first_step(step)
+        missed = self.unpipelined() if error is None else [repr(error)]
+        if missed:
+            rank_zero_warn(
+                f"TorchRec's train pipeline cannot pipeline this model ({missed}): its tracer of "
+                "LightningModule.forward(batch) must find the sharded modules' inputs as "
+                "attributes of the batch. "
+                + ("It runs without the pipeline." if error else "They run unpipelined.")
+            )
+        if error is not None:
+            self.dropped, self._iterator = True, None
+            return unpipelined(), False
+        return output, True
+
+    def detach(self) -> None:
+        """Restores the sharded modules' own forwards (before evaluation)."""
+        self._pipeline.detach()
+
+    def release(self) -> None:
+        """At the end of a fit or evaluation: detaches and drops the batches and the iterator.
+
+        The pipeline's side of the loader keeps its iterator (and a multi-worker loader's
+        worker processes and feeder threads) alive while held; a later loader of the same
+        process would fork its workers next to those threads.
+        """
+        self.detach()
+        self._pipeline.reset()
+        self._iterator = None
+
+    def unpipelined(self) -> list[str]:
+        """Sharded modules TorchRec's tracer could not pipeline (after the first step).
+
+        Returns:
+            Their names in the model; empty when every sharded module is pipelined.
+        """
+        inner = self._model.module if hasattr(self._model, "module") else self._model
+        sharded = {id(m): n for n, m in inner.named_modules() if isinstance(m, ShardedModule)}
+        done = {id(m) for m in pipelined_modules(self._pipeline)}
+        return sorted(name for key, name in sharded.items() if key not in done)
+
+
+class SemiSyncPipeline(SparseDistPipeline):
+    """TorchRec's semi-synchronous pipeline driven by Lightning's training steps.
+
+    From global step ``start_batch`` on, the embeddings of batch ``i + 1`` are looked up before
+    batch ``i``'s table update (one batch of staleness for the tables; the dense part stays
+    synchronous), so their output all-to-all overlaps the backward of batch ``i``. Before it,
+    steps are synchronous (the same results as ``pipeline=None``). The table update runs after
+    Lightning's backward (:meth:`after_backward`), before its optimizer step, as in TorchRec's
+    ``TrainPipelineSemiSync.progress``.
+
+    Args:
+        model: the ``DistributedModelParallel``.
+        device: the rank's device.
+        start_batch: the first global step that looks the next batch up early.
+        global_step: returns Lightning's global step (the number of finished steps).
+    """
+
+    depth = 2
+
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        start_batch: int,
+        global_step: Callable[[], int],
+    ) -> None:
+        self.start_batch = start_batch
+        self._global_step = global_step
+        super().__init__(model, device)
+
+    _kind = StagedSemiSync
+
+    def _options(self) -> dict[str, Any]:
+        return {"start_batch": self.start_batch}
+
+    def _progress(self, iterator: Iterator[Any]) -> Any:
+        semi_sync = self._global_step() >= self.start_batch
+        return self._pipeline.forward_stage(iterator, semi_sync)  # type: ignore[attr-defined]
+
+    def after_backward(self) -> None:
+        """The tables' backward and fused update of the batch whose backward Lightning ran."""
+        self._pipeline.embedding_backward_stage()  # type: ignore[attr-defined]
+
+
+class StagePipelines:
+    """A strategy's two pipelines: one for training, one (forward only) for evaluation.
+
+    Each is dropped for good when TorchRec cannot trace the model (the step then runs
+    unpipelined, see :meth:`SparseDistPipeline.run`).
+
+    Args:
+        model: the ``DistributedModelParallel``.
+        device: the rank's device.
+        kind: the training pipeline, ``"sparse_dist"`` or ``"semi_sync"`` (evaluation always
+            runs the forward-only sparse-dist one).
+        options: the pipeline's options (see :func:`check_pipeline_options`).
+        global_step: returns Lightning's global step (for ``"semi_sync"``'s ``start_batch``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        kind: str = "sparse_dist",
+        options: dict[str, Any] | None = None,
+        global_step: Callable[[], int] = lambda: 0,
+    ) -> None:
+        self.model, self.device, self.kind = model, device, kind
+        self.options = check_pipeline_options(kind, options)
+        self.global_step = global_step
+        self.training: SparseDistPipeline | None = None
+        self.evaluation: SparseDistPipeline | None = None
+
+    def start_fit(self) -> None:
+        """A new training pipeline for a new fit."""
+        if self.kind == "semi_sync":
+            start = self.options.get("start_batch", SEMI_SYNC_START_BATCH)
+            self.training = SemiSyncPipeline(self.model, self.device, start, self.global_step)
+        else:
+            self.training = SparseDistPipeline(self.model, self.device)
+
+    def after_backward(self) -> None:
+        """After Lightning's backward of a training step (semi-sync: the tables' update)."""
+        if self.training is not None:
+            self.training.after_backward()
+
+    def for_stage(self, training: bool) -> SparseDistPipeline | None:
+        """The pipeline of the running stage, if any.
+
+        Args:
+            training: whether the trainer is in a training step.
+
+        Returns:
+            The pipeline, or None.
+        """
+        return self.training if training else self.evaluation
+
+    def feed(self, loader: Any, training: bool) -> Any:
+        """Wraps a dataloader for the stage's pipeline (the evaluation one is made on demand).
+
+        Args:
+            loader: a training or evaluation dataloader.
+            training: whether it is the training dataloader.
+
+        Returns:
+            The wrapped loader, or ``loader`` when the stage has no pipeline.
+        """
+        if not training and self.evaluation is None:
+            self.evaluation = SparseDistPipeline(self.model, self.device)
+        pipeline = self.for_stage(training)
+        return loader if pipeline is None else pipeline.feed(loader)
+
+    def run(
+        self, training: bool, step: Callable[[Any], Any], unpipelined: Callable[[], Any]
+    ) -> Any:
+        """One step of the stage's pipeline (see :meth:`SparseDistPipeline.run`).
+
+        Args:
+            training: whether this is a training step.
+            step: runs the step on the pipeline's copy of the current batch.
+            unpipelined: runs the step without the pipeline.
+
+        Returns:
+            The step's output.
+        """
+        pipeline = self.for_stage(training)
+        assert pipeline is not None
+        output, usable = pipeline.run(step, unpipelined)
+        if not usable:
+            if training:
+                self.training = None
+            else:
+                self.evaluation = None
+        return output
+
+    def ahead(self, training: bool, batch_idx: int) -> list[tuple[int, Any]] | None:
+        """The batches the stage's next ``progress()`` sends before their own step.
+
+        Args:
+            training: whether this is a training step.
+            batch_idx: Lightning's index of the current batch.
+
+        Returns:
+            ``(index in the epoch, host batch)`` pairs to check now, or None when the stage
+            runs no pipeline (check Lightning's batch instead).
+        """
+        pipeline = self.for_stage(training)
+        return None if pipeline is None else pipeline.ahead(batch_idx)
+
+    def release(self, training: bool) -> None:
+        """Ends the stage's pipeline: see :meth:`SparseDistPipeline.release`.
+
+        Args:
+            training: release the training pipeline (else the evaluation one).
+        """
+        pipeline = self.for_stage(training)
+        if pipeline is not None:
+            pipeline.release()
+
+    def detach(self, training: bool) -> None:
+        """Restores the sharded modules' own forwards from the stage's pipeline.
+
+        Args:
+            training: detach the training pipeline (else the evaluation one).
+        """
+        pipeline = self.for_stage(training)
+        if pipeline is not None:
+            pipeline.detach()

@@ -1,0 +1,311 @@
+"""Training faults: non-finite losses and weights, and collectives that failed because a peer died.
+
+Every decision is collective (:func:`lightning_torchrec.distributed.agree`): a rank that finds a
+problem tells the others before anyone enters a collective the failing rank would skip, so all
+ranks raise together instead of waiting for the collective timeout.
+
+* :class:`StepGuard` (used by ``TorchRecStrategy``): one ``all_reduce`` per training step carries
+  this step's batch-validation verdict and the previous step's loss verdict; a NaN/inf loss on
+  any rank raises :class:`~lightning_torchrec.errors.NonFiniteLossError` on every rank at the next
+  step, naming the step and the ranks. (Skipping the step instead is not offered: Lightning
+  refuses a ``None`` loss in distributed training, and a zero loss would still move
+  momentum-based optimizers.)
+* :func:`nonfinite_tensors` finds NaN/inf values in a (sharded) state dict; checkpoints refuse
+  them (``lightning_torchrec.checkpoint``).
+* :func:`peer_failure` turns a collective that failed because a peer died (gloo: "Connection
+  closed by peer") or timed out into a :class:`~lightning_torchrec.errors.PeerFailureError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from lightning_torchrec.compat.upstream import ShardedTensor
+from lightning_torchrec.distributed import agree, all_gather, rank_and_world_size
+from lightning_torchrec.errors import (
+    NonFiniteLossError,
+    UnevenDataError,
+)
+from lightning_torchrec.sharding.layout import shard_info
+from lightning_torchrec.sharding.tables import FeatureSpec
+from lightning_torchrec.training.batch_checks import check_batch
+
+
+def _loss_of(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
+        return output["loss"]
+    return None
+
+
+class StepGuard:
+    """The per-step checks of a training step, decided in ONE collective.
+
+    Before the forward of step ``t`` every rank contributes, in one :func:`agree`, whether its
+    batch of step ``t`` failed validation and whether its loss of step ``t - 1`` was non-finite.
+    The batch check must precede the forward (a bad id can fail on one rank mid-collective while
+    the others wait); the loss verdict rides along one step late, so it costs no collective of
+    its own. A non-finite loss therefore stops the run at the next step (or at the end of
+    training, :meth:`flush`): that step's update has been applied, so in-memory weights may be
+    non-finite, but checkpoints refuse them.
+
+    Args:
+        on_nonfinite_loss: ``"raise"`` or ``"ignore"``.
+        device: the collective's device (CPU for gloo, CUDA for nccl).
+    """
+
+    def __init__(
+        self,
+        on_nonfinite_loss: str,
+        device: torch.device | None = None,
+        validate_batches: bool | int = True,
+    ) -> None:
+        self.on_nonfinite_loss = on_nonfinite_loss
+        self.device = device
+        self.validate_batches = validate_batches
+        self.specs: Mapping[str, FeatureSpec] = {}
+        self.dense_width: int | None = None
+        self._pending: tuple[int, torch.Tensor] | None = None
+        self._host_loss: torch.Tensor | None = None
+        self._copied: Any = None
+
+    def _checks(self, index: int) -> bool:
+        return self.validate_batches is True or index < self.validate_batches
+
+    def _verdict(
+        self, batch: Any, where: str, ahead: list[tuple[int, Any]] | None = None
+    ) -> Exception | None:
+        rank, _ = rank_and_world_size()
+        if ahead is None:
+            return check_batch(batch, self.specs, self.dense_width, f"rank {rank}, {where}")
+        for index, early in ahead:
+            found = check_batch(
+                early,
+                self.specs,
+                self.dense_width,
+                f"rank {rank}, batch {index} of the epoch (checked at {where}, before the "
+                "train pipeline sends it ahead)",
+            )
+            if found is not None:
+                return found
+        return None
+
+    def before_training_step(
+        self,
+        batch: Any,
+        step: int,
+        batch_idx: int,
+        last: bool,
+        ahead: list[tuple[int, Any]] | None = None,
+    ) -> None:
+        """The training step's checks, in one collective (see :meth:`check`).
+
+        Args:
+            batch: this rank's batch.
+            step: the global step.
+            batch_idx: the batch's index in the epoch.
+            last: whether this rank has no batch after this one in the epoch.
+            ahead: with a train pipeline, the batches to check instead of ``batch``: those its
+                next ``progress()`` sends before their own step (``(index, batch)`` pairs).
+        """
+        checked = self._checks(step)
+        verdict = self._verdict(batch, f"step {step}", ahead) if checked else None
+        self.check(verdict, checked, last, batch_idx)
+
+    def before_eval_step(
+        self,
+        batch: Any,
+        stage: str,
+        batch_idx: int,
+        last: bool,
+        ahead: list[tuple[int, Any]] | None = None,
+    ) -> None:
+        """An evaluation or predict step's batch check and batch-count vote. Collective.
+
+        Args:
+            batch: this rank's batch.
+            stage: ``"validation"``, ``"test"`` or ``"predict"``.
+            batch_idx: the batch's index.
+            last: whether this rank has no batch after this one.
+            ahead: with a pipeline, the batches to check instead of ``batch`` (see
+                :meth:`before_training_step`).
+
+        Raises:
+            BatchValidationError: on every rank when any rank's batch is bad.
+            UnevenDataError: on every rank when only some ranks are at their last batch.
+        """
+        if self._checks(batch_idx):
+            verdict = self._verdict(batch, f"{stage} batch {batch_idx}", ahead)
+            (ranks,) = agree(verdict, flags=[last], device=self.device)
+            check_even(ranks, stage, batch_idx)
+
+    @property
+    def on_nonfinite_loss(self) -> str:
+        """``"raise"`` or ``"ignore"`` (settable; anything else raises ``ValueError``)."""
+        return self._mode
+
+    @on_nonfinite_loss.setter
+    def on_nonfinite_loss(self, mode: str) -> None:
+        if mode not in ("raise", "ignore"):
+            raise ValueError(f"on_nonfinite_loss must be 'raise' or 'ignore', got {mode!r}")
+        self._mode = mode
+
+    def record_loss(self, output: Any, step: int) -> None:
+        """Remembers this step's loss, to be judged at the next check (no GPU-to-host sync).
+
+        On CUDA the loss is copied to pinned host memory asynchronously; the next check reads
+        it after that copy has long completed, so neither call waits for the GPU.
+
+        Args:
+            output: what ``training_step`` returned (a loss or a mapping with ``"loss"``).
+            step: the global step of that loss.
+        """
+        if self._mode != "raise":
+            return
+        loss = _loss_of(output)
+        value = loss.detach().reshape(-1)[:1].float() if loss is not None else torch.zeros(1)
+        if value.is_cuda:
+            # Copied to pinned host memory without waiting; read at the next check, long after.
+            if self._host_loss is None:
+                self._host_loss = torch.empty(1, dtype=torch.float32, pin_memory=True)
+            self._host_loss.copy_(value, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+            value = self._host_loss
+        self._pending = (step, value)
+
+    def check(
+        self,
+        batch_error: Exception | None,
+        batch_checked: bool,
+        last_batch: bool = False,
+        batch_idx: int = 0,
+    ) -> None:
+        """Raises on every rank if any rank's batch or previous loss was bad. Collective.
+
+        Whether this is the rank's last batch of the epoch rides along in the same collective:
+        ranks that disagree have different numbers of batches, and would otherwise hang in the
+        next step's collectives.
+
+        Args:
+            batch_error: this rank's validation error for the coming step, or None.
+            batch_checked: whether batches are validated at this step (the same on every rank).
+            last_batch: whether this rank has no batch after this one in the epoch.
+            batch_idx: the batch's index in the epoch, for the message.
+
+        Raises:
+            BatchValidationError: on every rank when any rank's batch is bad (the failing rank
+                raises its own error; the others name it).
+            NonFiniteLossError: on every rank when any rank's previous loss was NaN/inf.
+            UnevenDataError: on every rank when only some ranks are at their last batch.
+        """
+        pending, self._pending = self._pending, None
+        if not batch_checked and pending is None:
+            return
+        if pending is not None and self._copied is not None:
+            self._copied.synchronize()  # the step's copy finished long ago; no stall
+            self._copied = None
+        error = _nonfinite_loss_error(pending)
+        (last,) = agree(batch_error, error, flags=[last_batch], device=self.device)
+        check_even(last, "training", batch_idx)
+
+    def flush(self) -> None:
+        """Judges the last recorded loss (call at the end of training, on every rank)."""
+        self.check(None, batch_checked=False)
+
+
+def _nonfinite_loss_error(pending: tuple[int, torch.Tensor] | None) -> NonFiniteLossError | None:
+    if pending is None or bool(torch.isfinite(pending[1]).all()):
+        return None
+    step, value = pending
+    rank, _ = rank_and_world_size()
+    return NonFiniteLossError(
+        f"non-finite training loss at global step {step} on rank(s) [{rank}] (this rank: "
+        f"{float(value[0])}). That step's update was applied, so the in-memory weights may be "
+        "non-finite; checkpoints refuse non-finite values and the last one is intact. Check the "
+        "batch (NaN features, extreme labels/weights) and lower the learning rate."
+    )
+
+
+def check_even(last_ranks: list[int], stage: str, batch_idx: int) -> None:
+    """Raises when only some ranks are at their last batch (call with an agreed rank list).
+
+    Args:
+        last_ranks: the ranks at their last batch of the epoch (from :func:`agree`'s flags).
+        stage: ``"training"``, ``"validation"``, ...
+        batch_idx: the index of the batch all ranks are at.
+
+    Raises:
+        UnevenDataError: naming the ranks and their batch counts, the same on every rank.
+    """
+    _, world = rank_and_world_size()
+    if not last_ranks or len(last_ranks) == world:
+        return
+    others = [r for r in range(world) if r not in last_ranks]
+    raise UnevenDataError(
+        f"the ranks have different numbers of {stage} batches in this epoch: rank(s) "
+        f"{last_ranks} have {batch_idx + 1}, rank(s) {others} have more. Every rank must get "
+        "the same number of batches (sharded tables run collectives in every step): use "
+        "Lightning's distributed sampler (use_distributed_sampler=True pads the last batches), "
+        "split iterable datasets evenly per rank, or drop the remainder."
+    )
+
+
+def check_counts(count: float, stage: str) -> None:
+    """Raises on every rank when the ranks' known batch counts differ. Collective.
+
+    Sized dataloaders are compared this way before the first step; unknown counts (``inf``) are
+    compared batch by batch in the step's collective.
+
+    Args:
+        count: this rank's number of batches (``inf`` when unknown).
+        stage: ``"training"``, ``"validation"``, ``"test"`` or ``"predict"``.
+
+    Raises:
+        UnevenDataError: naming every rank's count, the same on every rank.
+    """
+    counts = all_gather(float(count))
+    known = [c for c in counts if c != float("inf")]
+    if len(set(known)) <= 1:
+        return
+    listed = ", ".join(f"rank {r}: {c:g}" for r, c in enumerate(counts))
+    fix = (
+        "make the number of predict batches a multiple of the number of ranks (pad the "
+        "dataset), or predict on one device"
+        if stage == "predict"
+        else "use Lightning's distributed sampler (use_distributed_sampler=True pads the last "
+        "batches), or give every rank as many batches"
+    )
+    raise UnevenDataError(
+        f"the ranks have different numbers of {stage} batches ({listed}). Sharded tables run "
+        f"collectives in every step, so the shorter ranks would leave the others waiting: {fix}."
+    )
+
+
+def nonfinite_tensors(state: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """Names of the tensors in a (sharded) state dict holding a NaN or inf, local shards only.
+
+    Args:
+        state: a state dict (nested mappings allowed); ShardedTensor and DTensor values are
+            checked by their local shards.
+        prefix: prepended to the names.
+
+    Returns:
+        The dotted names of the offending tensors.
+    """
+    bad: list[str] = []
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            bad += nonfinite_tensors(value, f"{name}.")
+        elif isinstance(value, torch.Tensor | ShardedTensor):
+            for shard in shard_info(value).shards:
+                t = shard.tensor
+                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                    bad.append(name)
+                    break
+    return bad
