@@ -60,7 +60,17 @@ from benchmarks.harness import (
     versions,
 )
 
-VARIANTS = ["trainer_none", "trainer_sparse_dist", "raw_base", "raw_sparse_dist"]
+VARIANTS = [
+    "trainer_defaults",
+    "trainer_parity",
+    "trainer_none",
+    "trainer_sparse_dist",
+    "raw_base",
+    "raw_sparse_dist",
+]
+#: Trainer variants at the strategy's defaults (``pipeline="auto"``, checks on): with Lightning's
+#: defaults (progress bar, logger, checkpointing, model summary), and at parity (all off).
+DEFAULT_VARIANTS = {"trainer_defaults": True, "trainer_parity": False}
 SEMI_SYNC_VARIANTS = ["trainer_semi_sync", "raw_semi_sync"]
 NOCHECKS = "_nochecks"
 SIZES = {"demo": ModelSize.demo, "benchmark": ModelSize, "tiny": ModelSize.tiny}
@@ -154,35 +164,41 @@ def trainer_run(
     setup: Setup | None = None,
     warmup: int = 0,
     profile: Any = None,
+    lightning_defaults: bool = False,
     **strategy_extra: Any,
 ) -> Run:
     """One Trainer fit of ``steps`` steps; its step times and timed window.
 
-    ``profile``: a ``cProfile.Profile`` enabled over the timed window; ``strategy_extra`` goes to
-    ``TorchRecStrategy``.
+    ``pipeline``: the strategy's, or ``"default"`` for its default (``"auto"``);
+    ``lightning_defaults``: Lightning's own defaults (progress bar, logger, checkpointing, model
+    summary) instead of parity settings (all off); ``profile``: a ``cProfile.Profile`` enabled
+    over the timed window; ``strategy_extra`` goes to ``TorchRecStrategy``.
     """
     from lightning_torchrec import TorchRecStrategy
 
     setup = setup or Setup()
     timer = StepTimes(data, warmup, profile)
+    chosen = {} if pipeline == "default" else {"pipeline": pipeline}
+    parity = {
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+    }
     trainer = L.Trainer(
         accelerator=setup.accelerator,
         devices=setup.world,
         strategy=TorchRecStrategy(
             fused_params=FUSED,
             constraints=table_wise(size),
-            pipeline=pipeline,  # type: ignore[arg-type]
             log_plan=False,
-            **(strategy_kwargs(pipeline) | strategy_extra),
+            **(chosen | strategy_kwargs(pipeline) | strategy_extra),
         ),
         max_steps=steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
         num_sanity_val_steps=0,
         default_root_dir=tempfile.mkdtemp(prefix="bench_pipeline_"),
         callbacks=[timer],
+        **({} if lightning_defaults else parity),
     )
     trainer.fit(dlrm_module(size), train_dataloaders=DataLoader(data, batch_size=None))
     return Run(timer.times, timer.window_s, timer.window_steps)
@@ -262,6 +278,17 @@ def run_variant(
     if variant.endswith(NOCHECKS):
         variant = variant.removesuffix(NOCHECKS)
         extra = {"validate_batches": False, "on_nonfinite_loss": "ignore"}
+    if variant in DEFAULT_VARIANTS:
+        return trainer_run(
+            size,
+            data,
+            steps,
+            "default",
+            setup,
+            warmup,
+            lightning_defaults=DEFAULT_VARIANTS[variant],
+            **extra,
+        )
     pipeline = variant.split("_", 1)[1]
     if variant.startswith("trainer"):
         return trainer_run(
@@ -278,10 +305,16 @@ def summarize(
     warmup: int,
     rounds: int,
     setup: Setup,
+    limit: dict[str, Any],
 ) -> dict[str, Any]:
-    """The result of one size from the runs so far."""
+    """The result of one size from the runs so far (``limit``: :func:`physical_limit`)."""
     samples = setup.world * size.batch_size
-    out: dict[str, Any] = {"size": size.to_dict(), "steps_per_run": steps, "rounds": rounds}
+    out: dict[str, Any] = {
+        "size": size.to_dict(),
+        "steps_per_run": steps,
+        "rounds": rounds,
+        "physical_limit": limit,
+    }
     if setup.timing == "window":
         out["timed_steps_per_run"] = steps - warmup
     per_variant: dict[str, dict[str, Any]] = {}
@@ -290,7 +323,12 @@ def summarize(
             continue
         if setup.timing == "steps":
             s = stats([t for r in done for t in r.times[warmup:]])
-            per_variant[variant] = {"step_s": s, "samples_per_s": samples / s["median"]}
+            per_round = stats([statistics.median(r.times[warmup:]) for r in done])
+            per_variant[variant] = {
+                "step_s": s,
+                "round_median_step_s": per_round,
+                "samples_per_s": samples / per_round["median"],
+            }
         else:
             rates = [samples * r.window_steps / r.window_s for r in done]
             per_variant[variant] = {
@@ -301,10 +339,22 @@ def summarize(
                 "host_step_s": stats([t for r in done for t in r.times[warmup:]]),
             }
     base = per_variant.get("raw_base")
+    raws = [v for k, v in per_variant.items() if k.startswith("raw_")]
+    key = "round_median_step_s" if setup.timing == "steps" else "step_s"
+    best = min((v[key]["median"] for v in raws), default=None)
+    if best is not None:
+        out["best_raw_step_s"] = best
     for variant, v in per_variant.items():
+        if best is not None:
+            v["ratio_to_best_raw"] = v[key]["median"] / best
+            v["memory_bandwidth_fraction"] = limit["bytes_per_step"] / (
+                v[key]["median"] * limit["bytes_per_s"]
+            )
         if base is not None:
             if setup.timing == "steps":
-                v["ratio_to_raw_base"] = v["step_s"]["median"] / base["step_s"]["median"]
+                v["ratio_to_raw_base"] = (
+                    v["round_median_step_s"]["median"] / base["round_median_step_s"]["median"]
+                )
             else:
                 v["ratio_to_raw_base"] = base["samples_per_s"] / v["samples_per_s"]
                 v["samples_per_s_ratio_to_raw_base"] = v["samples_per_s"] / base["samples_per_s"]
@@ -312,6 +362,48 @@ def summarize(
     for variant, error in errors.items():
         out[variant] = {"error": error}
     return out
+
+
+#: Bytes of one embedding row's traffic per id and step, in units of the row's size: read in the
+#: forward, read again and written back by the fused row-wise Adagrad update in the backward.
+ROW_PASSES = 3
+
+
+def memory_bandwidth(device: torch.device, mib: int = 256) -> float:
+    """Measured copy bandwidth of ``device`` in bytes/s (read + write of a ``mib`` MiB buffer).
+
+    On the CPU this runs on the benchmark's one intra-op thread per rank, as the training does.
+    """
+    src = torch.ones(mib * 2**20 // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() * 4 / best
+
+
+def physical_limit(size: ModelSize, setup: Setup) -> dict[str, Any]:
+    """Bytes of embedding rows one rank moves per step, and the device's memory bandwidth.
+
+    Each id of the batch reads and writes its row (``ROW_PASSES`` x ``dim`` x 4 bytes, fp32,
+    plus the row-wise Adagrad state of one float); a rank handles its share of the world's ids.
+    The step time this traffic alone needs is ``bytes_per_step / bytes_per_s``: the floor no loop
+    beats; ``memory_bandwidth_fraction`` of a variant is that floor over its step time.
+    """
+    ids = size.batch_size * size.tables * size.ids_per_feature  # the world's ids / world
+    row = size.dim * 4
+    per_step = ids * (ROW_PASSES * row + 2 * 4)
+    bandwidth = memory_bandwidth(setup.device())
+    return {
+        "ids_per_rank_step": ids,
+        "bytes_per_step": per_step,
+        "bytes_per_s": bandwidth,
+        "floor_step_s": per_step / bandwidth,
+    }
 
 
 def measure(
@@ -333,6 +425,7 @@ def measure(
     data = dataset(size, setup.world * (steps + 4))
     runs: dict[str, list[Run]] = {v: [] for v in variants}
     errors: dict[str, str] = {}
+    limit: dict[str, Any] = {}
     for _ in range(rounds):
         for variant in variants:
             if variant in errors:
@@ -340,6 +433,7 @@ def measure(
             L.seed_everything(SEED, verbose=False)
             try:
                 runs[variant].append(run_variant(variant, size, data, steps, warmup, setup))
+                limit = limit or physical_limit(size, setup)  # after the first run's setup
             except Exception as e:
                 if variant not in SEMI_SYNC_VARIANTS:
                     raise
@@ -349,8 +443,8 @@ def measure(
                 gc.collect()
                 torch.cuda.empty_cache()
             if report is not None:
-                report(summarize(runs, errors, size, steps, warmup, rounds, setup))
-    return summarize(runs, errors, size, steps, warmup, rounds, setup)
+                report(summarize(runs, errors, size, steps, warmup, rounds, setup, limit))
+    return summarize(runs, errors, size, steps, warmup, rounds, setup, limit)
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

@@ -3,8 +3,10 @@
 One process (one rank; CUDA with nccl when there is a GPU, else gloo on CPU), the benchmark DLRM
 at ``--batch-size``. Each variant runs ``--steps`` steps; the window after ``--warmup`` steps is
 timed (synchronised at both ends) and profiled. Variants: ``raw_base``, ``raw_sparse_dist``,
-``trainer_none`` and ``trainer_sparse_dist``, each Trainer one also with the strategy's per-step
-checks off (``validate_batches=False``, ``on_nonfinite_loss="ignore"``: ``..._nochecks``).
+``trainer_defaults`` (Lightning's and the strategy's defaults), ``trainer_parity`` (the
+strategy's defaults, Lightning's extras off), ``trainer_none`` and ``trainer_sparse_dist``
+(the last two also with the strategy's per-step checks off: ``validate_batches=False``,
+``on_nonfinite_loss="ignore"``: ``..._nochecks``).
 Writes ``step_profile.json`` (ms per step) and ``step_profile.txt`` (the top functions).
 
 Run: ``python -m benchmarks.step_profile --out DIR [--accelerator cuda]``.
@@ -28,6 +30,8 @@ from benchmarks.pipeline_throughput import Setup, raw_run, trainer_run
 
 NOCHECKS = {"validate_batches": False, "on_nonfinite_loss": "ignore"}
 VARIANTS: dict[str, tuple[str, Any, dict[str, Any]]] = {
+    "trainer_defaults": ("trainer", "default", {"lightning_defaults": True}),
+    "trainer_parity": ("trainer", "default", {}),
     "trainer_none": ("trainer", None, {}),
     "trainer_none_nochecks": ("trainer", None, NOCHECKS),
     "raw_base": ("raw", False, {}),
@@ -47,6 +51,7 @@ def top(profile: cProfile.Profile, sort: str, n: int | str) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--name", default="step_profile", help="result file name (without .json)")
     p.add_argument("--accelerator", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batch-size", type=int, default=16384)
     p.add_argument("--steps", type=int, default=80)
@@ -77,8 +82,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if kind == "trainer":  # the strategy's and the module's own share
             text.append(top(profile, "cumulative", "lightning_torchrec"))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "step_profile.txt").write_text("\n".join(text))
-    write_result("step_profile", result, args.out)
+    (args.out / f"{args.name}.txt").write_text("\n".join(text))
+    write_result(args.name, result, args.out)
     return result
 
 

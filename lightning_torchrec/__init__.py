@@ -20,6 +20,7 @@ from lightning_torchrec.errors import (
     PeerFailureError,
     Preempted,
     RankFailureError,
+    ShardingConflictError,
     UnevenDataError,
     UnsafeCheckpointError,
 )
@@ -66,6 +67,7 @@ __all__ = [
     "Preempted",
     "PreemptionCheckpoint",
     "RankFailureError",
+    "ShardingConflictError",
     "SyntheticClickData",
     "TorchRecModule",
     "TorchRecStrategy",

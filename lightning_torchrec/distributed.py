@@ -44,26 +44,11 @@ def rank_and_world_size() -> tuple[int, int]:
     return 0, 1
 
 
-#: A gloo group over every rank for the votes of :func:`agree` when the default backend is not
-#: gloo (NCCL): votes are host integers, so deciding them never synchronises the GPU.
-_HOST_GROUP: Any = None
-
-
-def use_host_group(group: Any) -> None:
-    """Makes :func:`agree`, :func:`ranks_where` and :func:`all_gather` use ``group`` on the CPU.
-
-    Args:
-        group: a gloo process group over every rank (``dist.new_group(backend="gloo")``), or
-            None for the default group on :func:`collective_device`.
-    """
-    global _HOST_GROUP
-    _HOST_GROUP = group
-
-
-def _vote_group() -> tuple[Any, torch.device]:
-    if _HOST_GROUP is not None:
-        return _HOST_GROUP, torch.device("cpu")
-    return None, collective_device()
+def _vote_place(group: Any, device: torch.device | None) -> torch.device:
+    """Where the votes of a collective over ``group`` live: the CPU for a gloo group."""
+    if group is not None and dist.get_backend(group) == "gloo":
+        return torch.device("cpu")
+    return device or collective_device()
 
 
 def collective_device() -> torch.device:
@@ -111,11 +96,12 @@ def broadcast_from_rank0(fn: Callable[[], T]) -> T:
     return box[0]
 
 
-def all_gather(value: T) -> list[T]:
+def all_gather(value: T, group: Any = None) -> list[T]:
     """Every rank's ``value`` (picklable), in rank order. Collective.
 
     Args:
         value: this rank's value.
+        group: the process group over every rank (default: the default group).
 
     Returns:
         ``[value of rank 0, value of rank 1, ...]``; ``[value]`` without a process group.
@@ -123,29 +109,32 @@ def all_gather(value: T) -> list[T]:
     if not is_distributed():
         return [value]
     values: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value, group=_vote_group()[0])
+    dist.all_gather_object(values, value, group=group)
     return values
 
 
-def ranks_where(flag: bool, device: torch.device | None = None) -> list[int]:
+def ranks_where(flag: bool, device: torch.device | None = None, group: Any = None) -> list[int]:
     """Which ranks pass ``flag=True``; collective (one ``all_reduce`` of ``world_size`` ints).
 
     Args:
         flag: this rank's vote.
-        device: where the votes live (default: :func:`collective_device`).
+        device: where the votes live (default: :func:`collective_device`; the CPU for a gloo
+            ``group``).
+        group: the process group over every rank (default: the default group).
 
     Returns:
         The ranks that voted True, the same list on every rank.
     """
-    return _ranks_per_slot([flag], device)[0]
+    return _ranks_per_slot([flag], device, group)[0]
 
 
-def _ranks_per_slot(flags: list[bool], device: torch.device | None) -> list[list[int]]:
+def _ranks_per_slot(
+    flags: list[bool], device: torch.device | None, group: Any = None
+) -> list[list[int]]:
     if not is_distributed():
         return [[0] if f else [] for f in flags]
     world, rank = dist.get_world_size(), dist.get_rank()
-    group, host_device = _vote_group()
-    device = host_device if group is not None else (device or host_device)
+    device = _vote_place(group, device)
     votes = torch.zeros(len(flags), world, dtype=torch.int32, device=device)
     votes[:, rank] = torch.tensor([int(f) for f in flags], dtype=torch.int32)
     dist.all_reduce(votes, group=group)
@@ -164,6 +153,7 @@ def agree(
     *errors: BaseException | None,
     flags: Sequence[bool] = (),
     device: torch.device | None = None,
+    group: Any = None,
 ) -> list[list[int]]:
     """Raises on every rank if any rank passes an error. Collective: call it on every rank.
 
@@ -179,6 +169,9 @@ def agree(
         *errors: this rank's verdict per slot: an exception, or None when this rank is fine.
         flags: further votes to count in the same collective (e.g. "this is my last batch").
         device: where the votes live (default: :func:`collective_device`).
+        group: the process group over every rank to vote on (default: the default group). A
+            gloo group over the same ranks (``dist.new_group(backend="gloo")``, owned by whoever
+            made it) keeps the votes on the host: deciding them never synchronises a GPU.
 
     Returns:
         For each flag, the ranks that voted True (the same on every rank).
@@ -191,7 +184,7 @@ def agree(
             if error is not None:
                 raise error
         return [[0] if f else [] for f in flags]
-    votes = _ranks_per_slot([e is not None for e in errors] + list(flags), device)
+    votes = _ranks_per_slot([e is not None for e in errors] + list(flags), device, group)
     failing, flagged = votes[: len(errors)], votes[len(errors) :]
     slot = next((i for i, ranks in enumerate(failing) if ranks), None)
     if slot is None:
@@ -199,7 +192,7 @@ def agree(
     mine = errors[slot]
     report = None if mine is None else (type(mine), str(mine))
     reports: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, report, group=_vote_group()[0])
+    dist.all_gather_object(reports, report, group=group)
     found = [(r, rep) for r, rep in enumerate(reports) if rep is not None]
     text = "; ".join(f"rank {r}: {message}" for r, (_, message) in found)
     if mine is not None:

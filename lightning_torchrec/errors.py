@@ -55,3 +55,7 @@ class UnsafeCheckpointError(pickle.UnpicklingError, ValueError):
 
 class CheckpointWriteError(OSError):
     """Writing a checkpoint failed on some rank (e.g. disk full); names the file and the rank."""
+
+
+class ShardingConflictError(ValueError):
+    """A model sharded before is asked to shard differently (another plan, constraints, ...)."""

@@ -119,10 +119,16 @@ def test_planner_scale_plans_every_world_size(results: Path) -> None:
 
 def test_pipeline_variants_all_measured(results: Path) -> None:
     sized = _load(results, "pipeline_throughput")["sizes"]["tiny"]
-    for variant in ("raw_base", "raw_sparse_dist", "trainer_none", "trainer_sparse_dist"):
+    variants = ["raw_base", "raw_sparse_dist", "trainer_none", "trainer_sparse_dist"]
+    for variant in [*variants, "trainer_defaults", "trainer_parity"]:
         assert sized[variant]["samples_per_s"] > 0
         assert sized[variant]["step_s"]["n"] >= 5
+        assert 0 < sized[variant]["memory_bandwidth_fraction"] < 1
+        assert sized[variant]["ratio_to_best_raw"] > 0
     assert sized["raw_base"]["ratio_to_raw_base"] == 1.0
+    assert min(sized[v]["ratio_to_best_raw"] for v in ("raw_base", "raw_sparse_dist")) == 1.0
+    limit = sized["physical_limit"]
+    assert limit["bytes_per_step"] > 0 and limit["bytes_per_s"] > 1e8
 
 
 def test_markdown_table_has_every_section(results: Path) -> None:

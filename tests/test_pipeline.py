@@ -116,4 +116,4 @@ def test_a_model_the_pipeline_cannot_trace_trains_unpipelined() -> None:
     with pytest.warns(UserWarning, match="cannot pipeline this model"):
         trainer.fit(model, datamodule=tiny_data())
     assert trainer.global_step == 3
-    assert strategy._pipelines.training is None
+    assert strategy._runner.training is None

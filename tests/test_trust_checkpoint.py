@@ -20,10 +20,10 @@ import torch
 from torch import nn
 
 from lightning_torchrec import DLRMClickModule
-from lightning_torchrec.checkpoint import files
 from lightning_torchrec.checkpoint import (
     META_FILE,
     check_compatible,
+    files,
     is_sharded_checkpoint,
     iter_plain_tensors,
     load_meta,

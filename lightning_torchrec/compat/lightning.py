@@ -6,8 +6,10 @@ below the glue (``lightning_torchrec.lightning``) imports this module.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+from collections.abc import Iterator
 from typing import Any
 
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
@@ -86,3 +88,50 @@ class ResultsOnlyLauncher(_MultiProcessingLauncher):
             shutil.rmtree(os.path.dirname(out.weights_path), ignore_errors=True)
             out = out._replace(weights_path=None)
         return out
+
+
+class ResultsOnlyLaunching:
+    """Strategy mixin: fork/spawn launches use :class:`ResultsOnlyLauncher`.
+
+    Overrides ``_configure_launcher`` (the hook Lightning's accelerator connector calls, lightning
+    2.0+), keeping the parent's choice for ``popen`` and external launchers.
+    """
+
+    _launcher: Any
+    _start_method: str
+
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()  # type: ignore[misc]
+        if isinstance(self._launcher, _MultiProcessingLauncher):
+            self._launcher = ResultsOnlyLauncher(self, start_method=self._start_method)
+
+
+@contextlib.contextmanager
+def model_kept_in_place(strategy: Any) -> Iterator[None]:
+    """Within, ``Strategy.teardown`` leaves the module and the optimizer state where they are.
+
+    ``Strategy.teardown`` (lightning 2.0+) moves ``strategy.optimizers``' state and
+    ``strategy.lightning_module`` to the CPU. A sharded model must stay where
+    ``DistributedModelParallel`` placed it: a later ``validate``/``test``/``predict`` reuses it,
+    fused optimizer state must stay the embedding kernels' own buffers (a copy would be saved
+    instead of the live state), and ``.cpu()`` raises on tables still on the meta device after an
+    early error, hiding that error. The rest of the teardown (plugins, cluster environment,
+    layer-sync revert) runs as Lightning wrote it.
+
+    Args:
+        strategy: a Lightning strategy about to call its parent's ``teardown``.
+
+    Yields:
+        Nothing.
+    """
+    module = strategy.lightning_module
+    optimizers = strategy.optimizers
+    strategy.optimizers = []
+    if module is not None:
+        vars(module)["cpu"] = lambda *args, **kwargs: module
+    try:
+        yield
+    finally:
+        strategy.optimizers = optimizers
+        if module is not None:
+            vars(module).pop("cpu", None)

@@ -216,6 +216,14 @@ UPSTREAM_WARNINGS: list[tuple[str, type[Warning], str, str]] = [
         "torch.distributed.checkpoint warns each time it plans one.",
     ),
     (
+        "Please use DTensor instead and we are deprecating ShardedTensor",
+        FutureWarning,
+        r"torch\.distributed\._shard\.sharded_tensor\.api",
+        "Lightning's Strategy.setup moves every optimizer's state to the device; the fused "
+        "optimizer's state is TorchRec's ShardedTensors, whose .to() (already on the device: it "
+        "returns the tensor itself) warns that torch deprecates ShardedTensor.",
+    ),
+    (
         r"fbgemm..dense_embedding_codegen_lookup_function. an autograd kernel was not registered",
         UserWarning,
         r"torch\.autograd\..*",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -82,11 +83,15 @@ class Batch(Pipelineable):
         """Returns a copy of the batch in pinned host memory.
 
         Returns:
-            The pinned batch.
+            The pinned batch, with the attributes set on this one (e.g. the verdict a DataLoader
+            worker attached, see ``lightning_torchrec.training.worker_checks``).
         """
-        return Batch(
+        pinned = Batch(
             dense_features=self.dense_features.pin_memory(),
             sparse_features=self.sparse_features.pin_memory(),
             labels=self.labels.pin_memory(),
             weights=None if self.weights is None else self.weights.pin_memory(),
         )
+        fields = {f.name for f in dataclasses.fields(self)}
+        vars(pinned).update({k: v for k, v in vars(self).items() if k not in fields})
+        return pinned

@@ -35,6 +35,7 @@ class ShardedCheckpointing:
     broadcast: Any
     _push_fused_lr: Any
     _collective: Any
+    _runner: Any
 
     @property
     @override
@@ -63,6 +64,8 @@ class ShardedCheckpointing:
     ) -> None:
         if storage_options is not None:
             raise TypeError("TorchRecStrategy.save_checkpoint does not take storage_options")
+        if self._runner is not None:  # a batch judged a step late never reaches a checkpoint
+            self._runner.settle()
         path = Path(self._collective(self.broadcast, str(filepath)))
         checkpoint = dict(checkpoint)
         model_state = checkpoint.pop("state_dict", None)

@@ -1,10 +1,10 @@
-"""The data hooks of ``TorchRecStrategy``: even batch counts, pipelines fed, resumed epochs.
+"""The data hooks of ``TorchRecStrategy``: even batch counts, loaders fed, resumed epochs.
 
 Sharded tables run collectives in every step, so a rank with fewer batches would leave the others
 waiting: known batch counts are compared when training, validation, test and predict start
 (unknown ones batch by batch, in the step's collective). Dataloaders are handed to the train and
-evaluation pipelines when ``pipeline`` is set, and the restored epoch reaches the sampler before
-the first iterator exists.
+evaluation pipelines when a pipeline runs (and their workers check the batches they make), and
+the restored epoch reaches the sampler before the first iterator exists.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_torchrec.compat.lightning import processed_epochs
-from lightning_torchrec.training.pipelines import StagePipelines
-from lightning_torchrec.training.step_guard import check_counts
+from lightning_torchrec.training.step_runner import StepRunner
 
 
 def set_sampler_epoch(dataloader: Any, epoch: int) -> None:
@@ -37,17 +36,15 @@ class DataHooks:
     """Mixin for ``TorchRecStrategy`` (which provides the annotated attributes)."""
 
     lightning_module: Any
-    pipeline: str | None
-    _pipelines: StagePipelines | None
-    _collective: Any
-    _stage_pipelines: Any
-
-    def _end_evaluation(self) -> None:
-        if self._pipelines is not None:  # the training pipeline re-attaches at its next step
-            self._pipelines.release(training=False)
+    _runner: StepRunner | None
 
     def _check_batch_counts(self, stage: str, count: float) -> None:
-        self._collective(check_counts, count, stage)
+        if self._runner is not None:
+            self._runner.check_counts(stage, count)
+
+    def _end_evaluation(self) -> None:
+        if self._runner is not None:
+            self._runner.end_evaluation()
 
     @override
     def on_train_start(self) -> None:
@@ -55,8 +52,8 @@ class DataHooks:
 
     @override
     def on_validation_start(self) -> None:
-        if self._pipelines is not None:  # evaluation runs the sharded modules' own forwards
-            self._pipelines.detach(training=True)
+        if self._runner is not None:  # evaluation runs the sharded modules' own forwards
+            self._runner.start_evaluation()
         self._check_batch_counts("validation", sum(self.lightning_module.trainer.num_val_batches))
 
     @override
@@ -88,6 +85,7 @@ class DataHooks:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             set_sampler_epoch(dataloader, processed_epochs(trainer))
-        if trainer is not None and self.pipeline is not None:
-            return self._stage_pipelines().feed(dataloader, trainer.training)
+        if trainer is not None and self._runner is not None:
+            # Checks in the loader's workers; the stage's pipeline reads ahead.
+            return self._runner.feed(dataloader, trainer.training)
         return dataloader

@@ -32,7 +32,8 @@ def default_optimizer(params: Any) -> torch.optim.Optimizer:
 class TorchRecModule(L.LightningModule):
     """A LightningModule for click models built on ``ModelAndLoss``.
 
-    Trains, validates and tests; logs ``train/loss``, ``val/loss``, ``val/auroc``,
+    Trains, validates and tests; logs ``train/loss`` (in the progress bar on the CPU only: on
+    CUDA, reading it at every refresh would wait for the GPU), ``val/loss``, ``val/auroc``,
     ``test/loss`` and ``test/auroc`` (AUROC from torchmetrics, synchronised across ranks), and
     the recommendation metrics of ``torchrec.metrics`` (see
     :mod:`lightning_torchrec.training.metrics`),
@@ -187,10 +188,7 @@ class TorchRecModule(L.LightningModule):
         """
         loss, outputs = self(batch)
         n = len(batch.labels)
-        # In the progress bar only when there is one: Lightning reads progress-bar values every
-        # step (a GPU-to-host sync on CUDA).
-        bar = self._trainer is not None and self.trainer.progress_bar_callback is not None
-        self.log("train/loss", loss, prog_bar=bar, batch_size=n)
+        self._log_train_loss(loss, n)
         every = self.train_metrics_every_n_steps
         if every is None:
             every = self.trainer.log_every_n_steps if self._trainer is not None else 0
@@ -200,6 +198,17 @@ class TorchRecModule(L.LightningModule):
                 values = self._metrics("train").named("train")
                 self.log_dict(values, batch_size=n, on_step=True, on_epoch=False)
         return loss
+
+    def _log_train_loss(self, loss: torch.Tensor, batch_size: int) -> None:
+        # Logged at every step (ModelCheckpoint and EarlyStopping may monitor it at any step;
+        # Lightning writes it to the loggers every ``log_every_n_steps``). In the progress bar
+        # only on the CPU: Lightning turns progress-bar values into Python numbers at every
+        # refresh, which on CUDA waits for the GPU at every step.
+        trainer = self._trainer
+        bar = trainer is not None and trainer.progress_bar_callback is not None
+        self.log(
+            "train/loss", loss, prog_bar=bar and loss.device.type == "cpu", batch_size=batch_size
+        )
 
     def _eval_step(self, batch: Any, stage: str, auroc: BinaryAUROC) -> torch.Tensor:
         loss, outputs = self(batch)

@@ -1,4 +1,11 @@
-"""``TorchRecStrategy``: Lightning training with TorchRec's ``DistributedModelParallel``."""
+"""``TorchRecStrategy``: Lightning training with TorchRec's ``DistributedModelParallel``.
+
+The strategy extends Lightning's templates at their seams: ``Strategy.setup`` (the model is
+sharded in ``_setup_model``, never moved by ``model_to_device``), ``post_backward`` (semi-sync's
+table update), ``_configure_launcher`` (fork/spawn bring results back without weights) and
+``teardown`` (the sharded model stays in place). Each step is run by one
+:class:`~lightning_torchrec.training.step_runner.StepRunner`, built complete at setup.
+"""
 
 from __future__ import annotations
 
@@ -8,19 +15,25 @@ from typing import Any, Literal
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
 from torchrec.distributed.model_parallel import DataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner
 from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from typing_extensions import override
 
-from lightning_torchrec.compat.lightning import ResultsOnlyLauncher, is_last_batch, layer_sync
-from lightning_torchrec.distributed import run_collective, use_host_group
+from lightning_torchrec.compat.lightning import (
+    ResultsOnlyLaunching,
+    layer_sync,
+    model_kept_in_place,
+)
 from lightning_torchrec.lightning.checkpoint_hooks import ShardedCheckpointing
 from lightning_torchrec.lightning.data_hooks import DataHooks
+from lightning_torchrec.lightning.step_hooks import StepHooks
 from lightning_torchrec.lightning.trainer_setup import (
     check_fused_precision,
     check_fused_training,
@@ -32,21 +45,17 @@ from lightning_torchrec.lightning.trainer_setup import (
 from lightning_torchrec.sharding.plan_summary import PlanSummary
 from lightning_torchrec.sharding.planning import ShardingConfig, shard_model
 from lightning_torchrec.sharding.sharders import has_fused_tables
-from lightning_torchrec.training.optim import (
-    DenseAndFusedOptimizer,
-    combine_with_schedulers,
-)
-from lightning_torchrec.training.pipelines import (
-    SparseDistPipeline,
-    StagePipelines,
-    check_pipeline_options,
-)
+from lightning_torchrec.training.optim import combine_with_schedulers
+from lightning_torchrec.training.pipelines import PipelineConfig, resolve_pipeline
 from lightning_torchrec.training.step_guard import StepGuard
+from lightning_torchrec.training.step_runner import BATCH_CHECKS, StepRunner
 
 log = logging.getLogger(__name__)
 
 
-class TorchRecStrategy(DataHooks, ShardedCheckpointing, DDPStrategy):
+class TorchRecStrategy(
+    ResultsOnlyLaunching, StepHooks, DataHooks, ShardedCheckpointing, DDPStrategy
+):
     """Trains any LightningModule holding TorchRec embedding modules with sharded tables.
 
     One process per device (gloo on CPU, nccl on CUDA; Lightning's launcher, ``torchrun`` and
@@ -84,8 +93,10 @@ class TorchRecStrategy(DataHooks, ShardedCheckpointing, DDPStrategy):
         validate_batches: check each batch against the tables before the forward (ids in
             range, known keys, lengths, dtypes, finite dense features; see
             ``lightning_torchrec.training.batch_checks``); an int ``N`` checks the first ``N``
-            training steps (and evaluation batches) only, False never. Costs one vectorised pass
-            over the ids and one tiny ``all_reduce`` per checked step.
+            training steps (and evaluation batches) only, False never. A DataLoader with
+            workers checks each batch in the worker that makes it (off the training process's
+            critical path); otherwise the step runs one vectorised pass over the ids. Either
+            way the verdict rides in the step's one tiny ``all_reduce``.
         on_nonfinite_loss: ``"raise"``: a NaN/inf loss on any rank raises a
             ``NonFiniteLossError`` naming the step and ranks on every rank, at the next step's
             check (see ``lightning_torchrec.training.step_guard.StepGuard``; checkpoints refuse
@@ -93,16 +104,27 @@ class TorchRecStrategy(DataHooks, ShardedCheckpointing, DDPStrategy):
             collective.
         check_finite_checkpoints: refuse to save a checkpoint holding NaN/inf weights or
             optimizer state.
-        pipeline: ``"sparse_dist"`` trains through TorchRec's ``TrainPipelineSparseDist``
-            (the next batch's copy and sparse input all-to-all overlap this batch's forward and
-            backward; same results as ``None``) with ``training_step`` unchanged, and runs
-            validation, test and predict through the same pipeline in eval mode (forward only);
-            see ``lightning_torchrec.training.pipelines``. ``"semi_sync"``: TorchRec's
-            ``TrainPipelineSemiSync``: from global step ``start_batch`` on, the embeddings of
-            batch ``i + 1`` are looked up before batch ``i``'s table update (one batch of
-            staleness for the tables; dense weights stay synchronous), so their all-to-all
-            overlaps the backward; synchronous (the same results as ``None``) before it.
-            ``None``: no pipeline.
+        pipeline: ``"auto"`` (the default): ``"sparse_dist"`` on CUDA, where it is faster,
+            and no pipeline on CPU, where it is not (see ``docs/benchmarks.md``); a model
+            TorchRec cannot pipeline, or a fit with gradient accumulation, then trains without
+            one (an INFO line says why). ``"sparse_dist"``: TorchRec's
+            ``TrainPipelineSparseDist`` (the next batch's copy and sparse input all-to-all
+            overlap this batch's forward and backward; the same results as ``None``) with
+            ``training_step`` unchanged; validation, test and predict run through the same
+            pipeline in eval mode (forward only); see ``lightning_torchrec.training.pipelines``.
+            ``"semi_sync"``: TorchRec's ``TrainPipelineSemiSync``: from global step
+            ``start_batch`` on, the embeddings of batch ``i + 1`` are looked up before batch
+            ``i``'s table update (one batch of staleness for the tables; dense weights stay
+            synchronous), so their all-to-all overlaps the backward; synchronous (the same
+            results as ``None``) before it. ``None``: no pipeline.
+        batch_checks: when an unpipelined training batch that no DataLoader worker checked
+            is checked. ``"auto"``: ``"next_step"`` on CUDA, ``"before_forward"`` on the CPU.
+            ``"before_forward"``: its ids are read on the host before the forward (on CUDA the
+            host then waits for the GPU's copy of the batch). ``"next_step"``: checked on the
+            device with a few reductions, the verdict read at the next step's vote (no wait);
+            a bad batch stops every rank one step later, with the same named error, its ids
+            clamped to row 0 by fbgemm in between, and before any checkpoint is written (see
+            ``lightning_torchrec.training.device_checks``).
         pipeline_options: options of the chosen pipeline: ``{"start_batch": N}`` for
             ``"semi_sync"`` (default 900, TorchRec's).
 
@@ -136,12 +158,16 @@ class TorchRecStrategy(DataHooks, ShardedCheckpointing, DDPStrategy):
         validate_batches: bool | int = True,
         on_nonfinite_loss: Literal["raise", "ignore"] = "raise",
         check_finite_checkpoints: bool = True,
-        pipeline: Literal["sparse_dist", "semi_sync"] | None = None,
+        pipeline: Literal["auto", "sparse_dist", "semi_sync"] | None = "auto",
         pipeline_options: dict[str, Any] | None = None,
+        batch_checks: Literal["auto", "before_forward", "next_step"] = "auto",
     ) -> None:
-        self.pipeline_options = check_pipeline_options(pipeline, pipeline_options)
+        if batch_checks not in BATCH_CHECKS:
+            raise ValueError(f"batch_checks must be one of {BATCH_CHECKS}, got {batch_checks!r}")
+        self.batch_checks = batch_checks
+        self.pipeline_config = PipelineConfig.parse(pipeline, pipeline_options)
         self.sharding = ShardingConfig(sharders, plan, constraints, fused_params, planner)
-        self._guard = StepGuard(on_nonfinite_loss, validate_batches=validate_batches)
+        StepGuard(on_nonfinite_loss)  # refuses an unknown mode now, not at setup
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -157,18 +183,26 @@ class TorchRecStrategy(DataHooks, ShardedCheckpointing, DDPStrategy):
         self.log_plan = log_plan
         self.load_optimizer_states = load_optimizer_states
         self.collective_timeout = timeout
-        self.start_method = start_method
         self.check_finite_checkpoints = check_finite_checkpoints
-        self.pipeline = pipeline
-        self._pipelines: StagePipelines | None = None
-        self._host_batch: Any = None
+        self._validate_batches = validate_batches
+        self._on_nonfinite_loss = on_nonfinite_loss
+        self._runner: StepRunner | None = None
+        self._host_group: Any = None
         self._dmp: DistributedModelParallel | None = None
         self._plan: ShardingPlan | None = None
-        self._sharded_module: L.LightningModule | None = None
-        self._results_launcher: ResultsOnlyLauncher | None = None
         self.plan_summary: PlanSummary | None = None
 
     # ------------------------------------------------------------------ properties
+    @property
+    def pipeline(self) -> str | None:
+        """The pipeline asked for (``"auto"``, ``"sparse_dist"``, ``"semi_sync"`` or None)."""
+        return self.pipeline_config.kind
+
+    @property
+    def pipeline_in_use(self) -> str | None:
+        """The pipeline the current (or last) run trains with, after ``"auto"`` was resolved."""
+        return self._runner.pipeline if self._runner is not None else None
+
     @property
     def sharding_plan(self) -> ShardingPlan | None:
         """The plan in use after setup (before it: the plan given, if any)."""
@@ -182,59 +216,41 @@ class TorchRecStrategy(DataHooks, ShardedCheckpointing, DDPStrategy):
     @property
     def on_nonfinite_loss(self) -> str:
         """``"raise"`` or ``"ignore"``: what a NaN/inf training loss does (settable)."""
-        return self._guard.on_nonfinite_loss
+        return self._on_nonfinite_loss
 
     @on_nonfinite_loss.setter
     def on_nonfinite_loss(self, mode: str) -> None:
-        self._guard.on_nonfinite_loss = mode
+        StepGuard(mode)  # refuses an unknown mode
+        self._on_nonfinite_loss = mode
+        if self._runner is not None:
+            self._runner.guard.on_nonfinite_loss = mode
 
     @property
     def validate_batches(self) -> bool | int:
         """Which batches are checked before the forward (settable; see the class docstring)."""
-        return self._guard.validate_batches
+        return self._validate_batches
 
     @validate_batches.setter
     def validate_batches(self, value: bool | int) -> None:
-        self._guard.validate_batches = value
-
-    @property
-    @override
-    def launcher(self) -> Any:
-        # Fork/spawn: Lightning's launcher would load rank 0's shards into the parent's
-        # unsharded module; this one brings results back without weights.
-        if self.start_method == "popen":
-            return super().launcher
-        if self._results_launcher is None:
-            self._results_launcher = ResultsOnlyLauncher(self, start_method=self.start_method)
-        return self._results_launcher
+        self._validate_batches = value
+        if self._runner is not None:
+            self._runner.guard.validate_batches = value
 
     # ------------------------------------------------------------------ setup
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        if torch.distributed.get_backend() != "gloo":
-            # The per-step votes are host integers: a gloo group decides them without a GPU sync.
-            use_host_group(torch.distributed.new_group(backend="gloo"))
+        if dist.get_backend() != "gloo":
+            # The per-step votes are host integers: a gloo group decides them without a GPU
+            # sync. Owned by this strategy; destroyed in teardown.
+            self._host_group = dist.new_group(backend="gloo")
 
     @override
     def setup(self, trainer: L.Trainer) -> None:
-        assert self.accelerator is not None
-        self.accelerator.setup(trainer)
-        self._guard.device = self.root_device
         check_precision(self.precision_plugin)
-        if self._dmp is None or self._sharded_module is not self.lightning_module:
-            self._shard(trainer)
-        assert self._dmp is not None and self._plan is not None
-        self.model = self._dmp
-        if trainer.state.fn == TrainerFn.FITTING:
-            if has_fused_tables(self._plan):
-                check_fused_precision(self.precision_plugin)
-                check_fused_training(trainer, self.allow_fused_gradient_accumulation)
-            if self.pipeline is not None:
-                check_pipeline_training(trainer)
-                self._stage_pipelines().start_fit()
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
+        # Strategy.setup's template (DDPStrategy's own would wrap the model in DDP, or broadcast
+        # its state outside fit): the model is sharded by `_setup_model`, optimizers follow.
+        super(DDPStrategy, self).setup(trainer)
 
     @override
     def model_to_device(self) -> None:
@@ -242,11 +258,14 @@ class TorchRecStrategy(DataHooks, ShardedCheckpointing, DDPStrategy):
         # module would fail on meta tables or copy every table to one device.
         pass
 
-    def _shard(self, trainer: L.Trainer) -> None:
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        # Strategy.setup's hook (lightning 2.0+): shard once, reuse for later trainer functions.
         module = self.lightning_module
         assert module is not None
+        trainer = module.trainer
+        fitting = trainer.state.fn == TrainerFn.FITTING
         sync = layer_sync(self)
-        if sync is not None:
+        if sync is not None and (fitting or self._dmp is None):
             check_sync_batchnorm(self.root_device)
             module = sync.apply(module)
         sharded = shard_model(
@@ -256,11 +275,41 @@ class TorchRecStrategy(DataHooks, ShardedCheckpointing, DDPStrategy):
             data_parallel_wrapper=self.data_parallel_wrapper,
             **vars(self.sharding),
         )
+        first = self._dmp is not sharded.dmp
         self._dmp, self._plan, self.plan_summary = sharded.dmp, sharded.plan, sharded.summary
-        self._guard.specs, self._guard.dense_width = sharded.feature_specs, sharded.dense_width
-        self._sharded_module = module
-        if self.log_plan and self.is_global_zero:
-            log_plan(self.plan_summary, trainer.loggers)
+        if first and self.log_plan and self.is_global_zero:
+            log_plan(sharded.summary, trainer.loggers)
+        pipeline = self._pipeline_for(trainer, fitting)
+        if fitting and has_fused_tables(sharded.plan):
+            check_fused_precision(self.precision_plugin)
+            check_fused_training(trainer, self.allow_fused_gradient_accumulation)
+        self._runner = StepRunner(
+            sharded.dmp,
+            self.root_device,
+            specs=sharded.feature_specs,
+            dense_width=sharded.dense_width,
+            validate_batches=self._validate_batches,
+            on_nonfinite_loss=self._on_nonfinite_loss,
+            pipeline=pipeline,
+            start_batch=self.pipeline_config.start_batch,
+            asked=self.pipeline != "auto",
+            global_step=lambda: self.lightning_module.trainer.global_step,
+            timeout=self.collective_timeout,
+            group=self._host_group,
+            batch_checks=self.batch_checks,
+        )
+        if fitting:
+            self._runner.start_fit()
+        return sharded.dmp
+
+    def _pipeline_for(self, trainer: L.Trainer, fitting: bool) -> str | None:
+        if self.pipeline == "auto":
+            accumulating = fitting and trainer.accumulate_grad_batches > 1
+            why = "gradient accumulation needs the unpipelined step" if accumulating else None
+            return resolve_pipeline(self.pipeline_config, self.root_device, why)
+        if fitting and self.pipeline is not None:
+            check_pipeline_training(trainer)
+        return self.pipeline
 
     @override
     def setup_optimizers(self, trainer: L.Trainer) -> None:
@@ -273,134 +322,17 @@ class TorchRecStrategy(DataHooks, ShardedCheckpointing, DDPStrategy):
         combined = combine_with_schedulers(self.optimizers[0], module, schedulers)
         self.optimizers = [combined, *self.optimizers[1:]]
 
-    # ------------------------------------------------------------------ steps
-    def _push_fused_lr(self) -> None:
-        for opt in self.optimizers:
-            if isinstance(opt, DenseAndFusedOptimizer):
-                opt.push_fused_lr()
-
-    def _collective(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        return run_collective(fn, *args, timeout=self.collective_timeout, **kwargs)
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        # The fused kernels read the LR during backward; a scheduler's change made after the
-        # last step must reach them before this forward (and the first step after a resume).
-        self._push_fused_lr()
-        trainer = self.lightning_module.trainer
-        step, batch_idx = trainer.global_step, int(args[1] if len(args) > 1 else 0)
-        last = is_last_batch(trainer) or batch_idx + 1 >= trainer.num_training_batches
-        last = last or 0 < trainer.max_steps <= step + 1
-        # One collective: this step's batch verdict, the previous step's loss verdict, and
-        # whether every rank is (or no rank is) at its last batch.
-        batch = args[0] if args else kwargs.get("batch")
-        checked = self._checked_batch(batch)
-        pipelines = self._pipelines if self._stage_pipeline() is not None else None
-        # A pipeline sends batches before their step: the vote covers those it sends next.
-        ahead = pipelines.ahead(True, batch_idx) if pipelines is not None else None
-        self._collective(self._guard.before_training_step, checked, step, batch_idx, last, ahead)
-        parent = super()
-        if pipelines is not None:
-            output = self._collective(
-                pipelines.run,
-                True,
-                lambda device_batch: parent.training_step(device_batch, batch_idx),
-                lambda: parent.training_step(parent.batch_to_device(checked), batch_idx),
-            )
-        else:
-            output = self._collective(parent.training_step, *args, **kwargs)
-        self._guard.record_loss(output, step)
-        return output
-
-    def _stage_pipelines(self) -> StagePipelines:
-        if self._pipelines is None:
-            assert self._dmp is not None
-            self._pipelines = StagePipelines(
-                self._dmp,
-                self.root_device,
-                self.pipeline or "sparse_dist",
-                self.pipeline_options,
-                lambda: self.lightning_module.trainer.global_step,
-            )
-        return self._pipelines
-
-    def _stage_pipeline(self) -> SparseDistPipeline | None:
-        if self._pipelines is None:
-            return None
-        return self._pipelines.for_stage(self.lightning_module.trainer.training)
-
-    @override
-    def batch_to_device(self, batch: Any, device: Any = None, dataloader_idx: int = 0) -> Any:
-        # The step checks the host copy (no GPU-to-host sync); a pipeline copies its batches to
-        # the device itself (on its own stream).
-        self._host_batch = batch
-        if self._stage_pipeline() is not None:
-            return batch
-        return super().batch_to_device(batch, device, dataloader_idx)
-
-    def _checked_batch(self, batch: Any) -> Any:
-        host, self._host_batch = self._host_batch, None
-        return batch if host is None else host
-
-    def _eval_step(self, step_fn: Any, stage: str, args: Any, kwargs: Any) -> Any:
-        batch_idx = int(args[1] if len(args) > 1 else kwargs.get("batch_idx", 0))
-        last = is_last_batch(self.lightning_module.trainer)
-        batch = self._checked_batch(args[0] if args else kwargs.get("batch"))
-        pipelines = self._pipelines if self._stage_pipeline() is not None else None
-        ahead = pipelines.ahead(False, batch_idx) if pipelines is not None else None
-        self._collective(self._guard.before_eval_step, batch, stage, batch_idx, last, ahead)
-        if pipelines is None:
-            return self._collective(step_fn, *args, **kwargs)
-        return self._collective(
-            pipelines.run,
-            False,
-            lambda device_batch: step_fn(device_batch, *args[1:], **kwargs),
-            lambda: step_fn(super(TorchRecStrategy, self).batch_to_device(batch), *args[1:]),
-        )
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval_step(super().predict_step, "predict", args, kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval_step(super().validation_step, "validation", args, kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval_step(super().test_step, "test", args, kwargs)
-
-    @override
-    def backward(
-        self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any
-    ) -> Any:
-        # The backward runs collectives too (sparse all-to-all, the DDP all-reduce).
-        return self._collective(self._backward, closure_loss, optimizer, *args, **kwargs)
-
-    def _backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kw: Any) -> Any:
-        out = super().backward(closure_loss, optimizer, *args, **kw)
-        if self._pipelines is not None and self.lightning_module.trainer.training:
-            self._pipelines.after_backward()  # semi-sync: the tables' update of this batch
-        return out
-
-    @override
-    def on_train_end(self) -> None:
-        # The last step's loss has no next step to be judged at.
-        self._collective(self._guard.flush)
-        if self._pipelines is not None:  # a later fit, validate or predict: the own forwards
-            self._pipelines.release(training=True)
-
     # ------------------------------------------------------------------ teardown
     @override
     def teardown(self) -> None:
-        # Keep the sharded model: a later trainer.validate/test/predict reuses it. Lightning's
-        # default would move every table to CPU (and fails on meta tables after an early error).
-        assert self.cluster_environment is not None
-        self.cluster_environment.teardown()
-        self.precision_plugin.teardown()
-        assert self.accelerator is not None
-        self.accelerator.teardown()
-        self.checkpoint_io.teardown()
+        if self._runner is not None:
+            self._runner.close()
+        if self._host_group is not None:
+            dist.destroy_process_group(self._host_group)
+            self._host_group = None
+        # The sharded model stays in place: a later validate/test/predict reuses it.
+        with model_kept_in_place(self):
+            super().teardown()
 
     @classmethod
     @override

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-import weakref
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -39,6 +38,7 @@ from lightning_torchrec.distributed import broadcast_from_rank0
 from lightning_torchrec.sharding.key_order import keep_key_order
 from lightning_torchrec.sharding.layout import copy_into_shards
 from lightning_torchrec.sharding.plan_summary import PlanSummary, summarize_plan
+from lightning_torchrec.sharding.reuse import attach, check_reusable, recorded
 from lightning_torchrec.sharding.setup_checks import (
     check_constraints_for_device,
     check_constraints_match_model,
@@ -216,10 +216,6 @@ class ShardedModel(NamedTuple):
     dense_width: int | None
 
 
-#: Models sharded in this process: a module is sharded once; a later Trainer reuses it.
-_SHARDED: weakref.WeakKeyDictionary[nn.Module, ShardedModel] = weakref.WeakKeyDictionary()
-
-
 def _reuse(sharded: ShardedModel, fused_params: dict[str, Any] | None) -> ShardedModel:
     """The model sharded by an earlier call, with a new fused learning rate if one is given."""
     lr = (fused_params or {}).get("learning_rate")
@@ -246,8 +242,9 @@ def shard_model(
 
     Collective: call on every rank of the default process group. Tables built on the meta device
     are materialised only as shards; tables built whole keep their values (with a warning). A
-    module is sharded once per process: a later call (a second ``Trainer.fit``, a fine-tune
-    stage) reuses its sharding, applying a new fused ``learning_rate`` if one is given.
+    module is sharded once: a later call (a second ``Trainer.fit``, a fine-tune stage) reuses
+    its sharding (kept on the module, freed with it; see :mod:`.reuse`), applying a new fused
+    ``learning_rate`` if one is given.
 
     Args:
         model: the unsharded model (tables usually on the meta device).
@@ -267,10 +264,13 @@ def shard_model(
         ValueError: for ``sharders`` with ``fused_params``, ``plan`` with ``constraints`` or
             ``planner``, and every configuration error of
             :mod:`lightning_torchrec.sharding.setup_checks` (on every rank).
+        ShardingConflictError: when the model was sharded before with other arguments.
     """
     config = ShardingConfig(sharders, plan, constraints, fused_params, planner)
-    if model in _SHARDED:
-        return _reuse(_SHARDED[model], fused_params)
+    record = recorded(model)
+    if record is not None:
+        check_reusable(record, config)
+        return _reuse(record.sharded, fused_params)
     world_size = dist.get_world_size()
     compute_device = "cuda" if device.type == "cuda" else "cpu"
     check_constraints_for_device(constraints, compute_device)
@@ -307,8 +307,9 @@ def shard_model(
     inner = unwrap(dmp)
     for path, configs in modules.items():
         keep_key_order(inner.get_submodule(path) if path else inner, configs)
-    _SHARDED[model] = ShardedModel(dmp, plan, summary, specs, dense_width(model))
-    return _SHARDED[model]
+    sharded = ShardedModel(dmp, plan, summary, specs, dense_width(model))
+    attach(model, sharded, config)
+    return sharded
 
 
 def maybe_shard_model(

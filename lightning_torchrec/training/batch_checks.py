@@ -40,13 +40,30 @@ from lightning_torchrec.errors import BatchValidationError
 from lightning_torchrec.sharding.tables import FeatureSpec
 
 
-def _field(batch: Any, name: str) -> Any:
+def field_of(batch: Any, name: str) -> Any:
+    """A batch's field by name (a mapping's key or an attribute), or None.
+
+    Args:
+        batch: the batch.
+        name: e.g. ``"labels"``.
+
+    Returns:
+        The field, or None.
+    """
     if isinstance(batch, Mapping):
         return batch.get(name)
     return getattr(batch, name, None)
 
 
-def _kjts(batch: Any) -> list[Any]:
+def kjts_of(batch: Any) -> list[Any]:
+    """Every ``KeyedJaggedTensor`` in a batch (a KJT, a dataclass, a mapping or a sequence).
+
+    Args:
+        batch: the batch.
+
+    Returns:
+        The KJTs, in the order found.
+    """
     if isinstance(batch, KeyedJaggedTensor):
         return [batch]
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
@@ -57,7 +74,7 @@ def _kjts(batch: Any) -> list[Any]:
         items = list(batch)
     else:
         return []
-    return [k for item in items for k in _kjts(item)]
+    return [k for item in items for k in kjts_of(item)]
 
 
 def _check_kjt(kjt: Any, specs: dict[str, FeatureSpec]) -> None:
@@ -103,17 +120,37 @@ def _check_kjt(kjt: Any, specs: dict[str, FeatureSpec]) -> None:
     rows = torch.tensor([specs[k].num_embeddings for k in keys], dtype=values.dtype)
     bad = (values < 0) | (values >= torch.repeat_interleave(rows, per_key).to(values.device))
     pos = int(torch.nonzero(bad)[0])
-    key_idx = int(torch.searchsorted(torch.cumsum(per_key, 0), pos, right=True))
-    spec = specs[keys[key_idx]]
-    bag = int(torch.searchsorted(kjt.offsets(), pos, right=True)) - 1
+    raise BatchValidationError(
+        out_of_range_message(kjt, specs, pos, int(values[pos]), int(bad.sum()))
+    )
+
+
+def out_of_range_message(
+    kjt: KeyedJaggedTensor, specs: Mapping[str, FeatureSpec], position: int, value: int, count: int
+) -> str:
+    """Names the feature, table, sample and value of an id outside its table.
+
+    Args:
+        kjt: the batch's ``KeyedJaggedTensor`` (its lengths locate the id).
+        specs: what each sparse feature may hold.
+        position: the id's position in ``kjt.values()``.
+        value: the id.
+        count: how many ids of the batch are out of range.
+
+    Returns:
+        The message.
+    """
+    per_key = torch.tensor(kjt.length_per_key(), dtype=torch.int64)
+    key_idx = int(torch.searchsorted(torch.cumsum(per_key, 0), position, right=True))
+    spec = specs[list(kjt.keys())[key_idx]]
+    bag = int(torch.searchsorted(kjt.offsets().cpu(), position, right=True)) - 1
     stride = kjt.stride()
     sample = bag % stride if stride else bag
-    value = int(values[pos])
     why = "negative" if value < 0 else f">= num_embeddings={spec.num_embeddings}"
-    raise BatchValidationError(
+    return (
         f"feature {spec.feature!r} (table {spec.table!r}) has id {value} ({why}) in sample "
-        f"{sample}; ids must lie in [0, {spec.num_embeddings}). {int(bad.sum())} ids are out of "
-        "range in this batch. Hash or clamp ids into the table, or grow the table."
+        f"{sample}; ids must lie in [0, {spec.num_embeddings}). {count} ids are out of range "
+        "in this batch. Hash or clamp ids into the table, or grow the table."
     )
 
 
@@ -179,13 +216,13 @@ def validate_batch(
             reads, features a table reads that are missing, dense features of the wrong shape
             or non-finite, labels/weights of the wrong shape or non-finite.
     """
-    kjts = _kjts(batch)
+    kjts = kjts_of(batch)
     if specs and not kjts:
         raise BatchValidationError(
             f"the batch ({type(batch).__name__}) holds no KeyedJaggedTensor, but the tables "
             f"read features {sorted(specs)}."
         )
-    labels = _field(batch, "labels")
+    labels = field_of(batch, "labels")
     batch_size = kjts[0].stride() if kjts else None
     if isinstance(labels, torch.Tensor) and labels.dim() > 0:
         batch_size = labels.shape[0] if batch_size is None else batch_size
@@ -207,9 +244,9 @@ def validate_batch(
         raise BatchValidationError(
             f"sparse feature(s) {missing} read by table(s) {tables} are missing from the batch."
         )
-    _check_dense(_field(batch, "dense_features"), batch_size, num_dense_features)
+    _check_dense(field_of(batch, "dense_features"), batch_size, num_dense_features)
     _check_per_sample("labels", labels, batch_size)
-    _check_per_sample("weights", _field(batch, "weights"), batch_size)
+    _check_per_sample("weights", field_of(batch, "weights"), batch_size)
 
 
 def check_batch(

@@ -35,7 +35,9 @@ and the strategy trains without the pipeline.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,7 +52,10 @@ from lightning_torchrec.compat.pipelines import (
 )
 from lightning_torchrec.training.pipeline_feed import Lookahead, PipelineFeed
 
-PIPELINES = (None, "sparse_dist", "semi_sync")
+log = logging.getLogger(__name__)
+
+#: The pipelines a strategy takes; ``"auto"`` picks one per device (see :func:`resolve_pipeline`).
+PIPELINES = (None, "auto", "sparse_dist", "semi_sync")
 
 #: ``pipeline_options`` each pipeline takes (TorchRec's constructor arguments of the same name).
 PIPELINE_OPTIONS: dict[str, set[str]] = {"sparse_dist": set(), "semi_sync": {"start_batch"}}
@@ -59,42 +64,83 @@ PIPELINE_OPTIONS: dict[str, set[str]] = {"sparse_dist": set(), "semi_sync": {"st
 SEMI_SYNC_START_BATCH = 900
 
 
-def check_pipeline_options(pipeline: str | None, options: dict[str, Any] | None) -> dict[str, Any]:
-    """Checks ``TorchRecStrategy(pipeline_options=...)`` against the chosen pipeline.
+@dataclass(frozen=True)
+class PipelineConfig:
+    """The train pipeline a strategy asked for, checked and defaulted once (:meth:`parse`).
+
+    Attributes:
+        kind: ``None``, ``"auto"``, ``"sparse_dist"`` or ``"semi_sync"``.
+        start_batch: ``"semi_sync"``: the first global step whose next batch is looked up
+            before the update (TorchRec's default 900 keeps the first steps synchronous).
+    """
+
+    kind: str | None = None
+    start_batch: int = SEMI_SYNC_START_BATCH
+
+    @classmethod
+    def parse(cls, pipeline: str | None, options: dict[str, Any] | None) -> PipelineConfig:
+        """Checks ``TorchRecStrategy(pipeline=..., pipeline_options=...)``.
+
+        Args:
+            pipeline: the pipeline's name (one of :data:`PIPELINES`).
+            options: its options: ``{"start_batch": N}`` for ``"semi_sync"``.
+
+        Returns:
+            The config.
+
+        Raises:
+            ValueError: for an unknown pipeline, an option the pipeline does not take (naming
+                it), or a ``start_batch`` that is not a non-negative int.
+        """
+        if pipeline not in PIPELINES:
+            raise ValueError(f"pipeline must be one of {PIPELINES}, got {pipeline!r}")
+        options = dict(options or {})
+        allowed = PIPELINE_OPTIONS.get(pipeline or "", set())
+        for key in options:
+            if key not in allowed:
+                why = (
+                    " (semi_sync's dense part is always synchronous here: Lightning's optimizer "
+                    "step cannot be skipped at the switch)"
+                    if key == "stash_gradients"
+                    else ""
+                )
+                raise ValueError(
+                    f"pipeline_options[{key!r}] is not an option of pipeline={pipeline!r}; it "
+                    f"takes {sorted(allowed) or 'none'}{why}"
+                )
+        start = options.get("start_batch", SEMI_SYNC_START_BATCH)
+        if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+            raise ValueError(f"pipeline_options['start_batch'] must be an int >= 0, got {start!r}")
+        return cls(pipeline, start)
+
+
+def resolve_pipeline(
+    config: PipelineConfig, device: torch.device, why_not: str | None
+) -> str | None:
+    """The pipeline to run: ``"auto"`` becomes ``"sparse_dist"`` on CUDA, else no pipeline.
+
+    On CUDA, TorchRec's sparse-dist pipeline overlaps the next batch's host-to-device copy and
+    input all-to-all with this batch's compute (measured: faster than the unpipelined loop at
+    batch 65536 on an H100). On CPU there is no copy to hide and gloo's all-to-all runs on the
+    same cores as the compute: the unpipelined step measured as fast or faster (see
+    ``docs/benchmarks.md``). Both give bit-equal results.
 
     Args:
-        pipeline: the pipeline's name (one of :data:`PIPELINES`).
-        options: its options: ``{"start_batch": N}`` for ``"semi_sync"`` (the first global step
-            whose next batch is looked up before the update; TorchRec's default, 900, keeps the
-            first steps synchronous).
+        config: the parsed config.
+        device: the rank's device.
+        why_not: why the fit cannot run a pipeline (e.g. gradient accumulation), or None.
 
     Returns:
-        The options (a copy; empty when None).
-
-    Raises:
-        ValueError: for an unknown pipeline, an option the pipeline does not take (naming it), or
-            a ``start_batch`` that is not a non-negative int.
+        ``None``, ``"sparse_dist"`` or ``"semi_sync"``.
     """
-    if pipeline not in PIPELINES:
-        raise ValueError(f"pipeline must be one of {PIPELINES}, got {pipeline!r}")
-    options = dict(options or {})
-    allowed = PIPELINE_OPTIONS.get(pipeline or "", set())
-    for key in options:
-        if key not in allowed:
-            why = (
-                " (semi_sync's dense part is always synchronous here: Lightning's optimizer "
-                "step cannot be skipped at the switch)"
-                if key == "stash_gradients"
-                else ""
-            )
-            raise ValueError(
-                f"pipeline_options[{key!r}] is not an option of pipeline={pipeline!r}; it takes "
-                f"{sorted(allowed) or 'none'}{why}"
-            )
-    start = options.get("start_batch", 0)
-    if not isinstance(start, int) or isinstance(start, bool) or start < 0:
-        raise ValueError(f"pipeline_options['start_batch'] must be an int >= 0, got {start!r}")
-    return options
+    if config.kind != "auto":
+        return config.kind
+    if device.type != "cuda":
+        return None
+    if why_not is not None:
+        log.info("pipeline='auto' trains without a pipeline: %s", why_not)
+        return None
+    return "sparse_dist"
 
 
 class _NoOptimizer:
@@ -123,12 +169,15 @@ class SparseDistPipeline:
     Args:
         model: the ``DistributedModelParallel``.
         device: the rank's device.
+        asked: whether the user asked for this pipeline by name (a model it cannot pipeline
+            then gets a warning; under ``pipeline="auto"``, an INFO line).
     """
 
     #: Batches past the current one whose input all-to-all ``progress()`` starts.
     depth = 1
 
-    def __init__(self, model: nn.Module, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, asked: bool = True) -> None:
+        self.asked = asked
         self._step: Callable[[Any], Any] | None = None
         self._pipeline = self._make(model, device)
         self._model = model
@@ -256,12 +305,16 @@ class SparseDistPipeline:
         output, error = self.first_step(step)
         missed = self.unpipelined() if error is None else [repr(error)]
         if missed:
-            rank_zero_warn(
+            message = (
                 f"TorchRec's train pipeline cannot pipeline this model ({missed}): its tracer of "
                 "LightningModule.forward(batch) must find the sharded modules' inputs as "
                 "attributes of the batch. "
                 + ("It runs without the pipeline." if error else "They run unpipelined.")
             )
+            if self.asked:
+                rank_zero_warn(message)
+            else:
+                log.info(message)
         if error is not None:
             self.dropped, self._iterator = True, None
             return unpipelined(), False
@@ -309,6 +362,7 @@ class SemiSyncPipeline(SparseDistPipeline):
         device: the rank's device.
         start_batch: the first global step that looks the next batch up early.
         global_step: returns Lightning's global step (the number of finished steps).
+        asked: see :class:`SparseDistPipeline`.
     """
 
     depth = 2
@@ -319,10 +373,11 @@ class SemiSyncPipeline(SparseDistPipeline):
         device: torch.device,
         start_batch: int,
         global_step: Callable[[], int],
+        asked: bool = True,
     ) -> None:
         self.start_batch = start_batch
         self._global_step = global_step
-        super().__init__(model, device)
+        super().__init__(model, device, asked)
 
     _kind = StagedSemiSync
 
@@ -336,129 +391,3 @@ class SemiSyncPipeline(SparseDistPipeline):
     def after_backward(self) -> None:
         """The tables' backward and fused update of the batch whose backward Lightning ran."""
         self._pipeline.embedding_backward_stage()  # type: ignore[attr-defined]
-
-
-class StagePipelines:
-    """A strategy's two pipelines: one for training, one (forward only) for evaluation.
-
-    Each is dropped for good when TorchRec cannot trace the model (the step then runs
-    unpipelined, see :meth:`SparseDistPipeline.run`).
-
-    Args:
-        model: the ``DistributedModelParallel``.
-        device: the rank's device.
-        kind: the training pipeline, ``"sparse_dist"`` or ``"semi_sync"`` (evaluation always
-            runs the forward-only sparse-dist one).
-        options: the pipeline's options (see :func:`check_pipeline_options`).
-        global_step: returns Lightning's global step (for ``"semi_sync"``'s ``start_batch``).
-    """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        device: torch.device,
-        kind: str = "sparse_dist",
-        options: dict[str, Any] | None = None,
-        global_step: Callable[[], int] = lambda: 0,
-    ) -> None:
-        self.model, self.device, self.kind = model, device, kind
-        self.options = check_pipeline_options(kind, options)
-        self.global_step = global_step
-        self.training: SparseDistPipeline | None = None
-        self.evaluation: SparseDistPipeline | None = None
-
-    def start_fit(self) -> None:
-        """A new training pipeline for a new fit."""
-        if self.kind == "semi_sync":
-            start = self.options.get("start_batch", SEMI_SYNC_START_BATCH)
-            self.training = SemiSyncPipeline(self.model, self.device, start, self.global_step)
-        else:
-            self.training = SparseDistPipeline(self.model, self.device)
-
-    def after_backward(self) -> None:
-        """After Lightning's backward of a training step (semi-sync: the tables' update)."""
-        if self.training is not None:
-            self.training.after_backward()
-
-    def for_stage(self, training: bool) -> SparseDistPipeline | None:
-        """The pipeline of the running stage, if any.
-
-        Args:
-            training: whether the trainer is in a training step.
-
-        Returns:
-            The pipeline, or None.
-        """
-        return self.training if training else self.evaluation
-
-    def feed(self, loader: Any, training: bool) -> Any:
-        """Wraps a dataloader for the stage's pipeline (the evaluation one is made on demand).
-
-        Args:
-            loader: a training or evaluation dataloader.
-            training: whether it is the training dataloader.
-
-        Returns:
-            The wrapped loader, or ``loader`` when the stage has no pipeline.
-        """
-        if not training and self.evaluation is None:
-            self.evaluation = SparseDistPipeline(self.model, self.device)
-        pipeline = self.for_stage(training)
-        return loader if pipeline is None else pipeline.feed(loader)
-
-    def run(
-        self, training: bool, step: Callable[[Any], Any], unpipelined: Callable[[], Any]
-    ) -> Any:
-        """One step of the stage's pipeline (see :meth:`SparseDistPipeline.run`).
-
-        Args:
-            training: whether this is a training step.
-            step: runs the step on the pipeline's copy of the current batch.
-            unpipelined: runs the step without the pipeline.
-
-        Returns:
-            The step's output.
-        """
-        pipeline = self.for_stage(training)
-        assert pipeline is not None
-        output, usable = pipeline.run(step, unpipelined)
-        if not usable:
-            if training:
-                self.training = None
-            else:
-                self.evaluation = None
-        return output
-
-    def ahead(self, training: bool, batch_idx: int) -> list[tuple[int, Any]] | None:
-        """The batches the stage's next ``progress()`` sends before their own step.
-
-        Args:
-            training: whether this is a training step.
-            batch_idx: Lightning's index of the current batch.
-
-        Returns:
-            ``(index in the epoch, host batch)`` pairs to check now, or None when the stage
-            runs no pipeline (check Lightning's batch instead).
-        """
-        pipeline = self.for_stage(training)
-        return None if pipeline is None else pipeline.ahead(batch_idx)
-
-    def release(self, training: bool) -> None:
-        """Ends the stage's pipeline: see :meth:`SparseDistPipeline.release`.
-
-        Args:
-            training: release the training pipeline (else the evaluation one).
-        """
-        pipeline = self.for_stage(training)
-        if pipeline is not None:
-            pipeline.release()
-
-    def detach(self, training: bool) -> None:
-        """Restores the sharded modules' own forwards from the stage's pipeline.
-
-        Args:
-            training: detach the training pipeline (else the evaluation one).
-        """
-        pipeline = self.for_stage(training)
-        if pipeline is not None:
-            pipeline.detach()

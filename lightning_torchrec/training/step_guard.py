@@ -26,12 +26,19 @@ import torch
 from lightning_torchrec.compat.upstream import ShardedTensor
 from lightning_torchrec.distributed import agree, all_gather, rank_and_world_size
 from lightning_torchrec.errors import (
+    BatchValidationError,
     NonFiniteLossError,
     UnevenDataError,
 )
 from lightning_torchrec.sharding.layout import shard_info
 from lightning_torchrec.sharding.tables import FeatureSpec
 from lightning_torchrec.training.batch_checks import check_batch
+from lightning_torchrec.training.device_checks import DeferredVerdict
+from lightning_torchrec.training.worker_checks import (
+    UNCHECKED,
+    VERDICT_ATTRIBUTE,
+    worker_verdict,
+)
 
 
 def _loss_of(output: Any) -> torch.Tensor | None:
@@ -56,6 +63,15 @@ class StepGuard:
     Args:
         on_nonfinite_loss: ``"raise"`` or ``"ignore"``.
         device: the collective's device (CPU for gloo, CUDA for nccl).
+        validate_batches: True checks every batch, an int ``N`` the first ``N`` steps, False none.
+        specs: what each sparse feature may hold (from the unsharded model).
+        dense_width: the expected dense width, or None.
+        group: the process group the votes run on (a gloo group keeps them on the host).
+        token: the token of verdicts that DataLoader workers attached to batches
+            (:mod:`~lightning_torchrec.training.worker_checks`); None: always check here.
+        deferred: check a training batch that no worker checked on its device and judge it at
+            the next step (:mod:`~lightning_torchrec.training.device_checks`), instead of
+            reading its ids on the host before the forward.
     """
 
     def __init__(
@@ -63,12 +79,20 @@ class StepGuard:
         on_nonfinite_loss: str,
         device: torch.device | None = None,
         validate_batches: bool | int = True,
+        specs: Mapping[str, FeatureSpec] | None = None,
+        dense_width: int | None = None,
+        group: Any = None,
+        token: str | None = None,
+        deferred: bool = False,
     ) -> None:
         self.on_nonfinite_loss = on_nonfinite_loss
         self.device = device
         self.validate_batches = validate_batches
-        self.specs: Mapping[str, FeatureSpec] = {}
-        self.dense_width: int | None = None
+        self.specs: Mapping[str, FeatureSpec] = specs or {}
+        self.dense_width = dense_width
+        self.group = group
+        self.token = token
+        self.deferred = DeferredVerdict(self.specs, dense_width) if deferred else None
         self._pending: tuple[int, torch.Tensor] | None = None
         self._host_loss: torch.Tensor | None = None
         self._copied: Any = None
@@ -76,17 +100,21 @@ class StepGuard:
     def _checks(self, index: int) -> bool:
         return self.validate_batches is True or index < self.validate_batches
 
+    def _check(self, batch: Any, where: str) -> Exception | None:
+        problem = UNCHECKED if self.token is None else worker_verdict(batch, self.token)
+        if problem is UNCHECKED:
+            return check_batch(batch, self.specs, self.dense_width, where)
+        return None if problem is None else BatchValidationError(f"{where}: {problem}")
+
     def _verdict(
         self, batch: Any, where: str, ahead: list[tuple[int, Any]] | None = None
     ) -> Exception | None:
         rank, _ = rank_and_world_size()
         if ahead is None:
-            return check_batch(batch, self.specs, self.dense_width, f"rank {rank}, {where}")
+            return self._check(batch, f"rank {rank}, {where}")
         for index, early in ahead:
-            found = check_batch(
+            found = self._check(
                 early,
-                self.specs,
-                self.dense_width,
                 f"rank {rank}, batch {index} of the epoch (checked at {where}, before the "
                 "train pipeline sends it ahead)",
             )
@@ -101,20 +129,66 @@ class StepGuard:
         batch_idx: int,
         last: bool,
         ahead: list[tuple[int, Any]] | None = None,
+        device_batch: Any = None,
     ) -> None:
         """The training step's checks, in one collective (see :meth:`check`).
 
         Args:
-            batch: this rank's batch.
+            batch: this rank's batch (the host copy).
             step: the global step.
             batch_idx: the batch's index in the epoch.
             last: whether this rank has no batch after this one in the epoch.
             ahead: with a train pipeline, the batches to check instead of ``batch``: those its
                 next ``progress()`` sends before their own step (``(index, batch)`` pairs).
+            device_batch: the batch on the device, for a ``deferred`` guard.
         """
         checked = self._checks(step)
-        verdict = self._verdict(batch, f"step {step}", ahead) if checked else None
-        self.check(verdict, checked, last, batch_idx)
+        had, earlier = self._take_deferred()
+        verdict = None
+        if checked:
+            rank, _ = rank_and_world_size()
+            deferred = self.deferred
+            if deferred is None or ahead is not None or device_batch is None:
+                verdict = self._verdict(batch, f"step {step}", ahead)
+            elif self._worker_problem(batch) is UNCHECKED:
+                deferred.submit(device_batch, f"rank {rank}, step {step}")
+            else:  # a worker checked it: judged now; the same pending state on every rank
+                verdict = self._verdict(batch, f"step {step}")
+                deferred.submit_known()
+        self.check(earlier or verdict, checked or had, last, batch_idx)
+
+    def _worker_problem(self, batch: Any) -> Any:
+        if self.token is None:
+            return UNCHECKED
+        attributes = getattr(batch, "__dict__", None)
+        entry = attributes.get(VERDICT_ATTRIBUTE) if isinstance(attributes, dict) else None
+        return UNCHECKED if entry is None or entry[0] != self.token else entry[1]
+
+    def _take_deferred(self) -> tuple[bool, Exception | None]:
+        """Whether a deferred verdict was pending (the same on every rank), and the verdict."""
+        if self.deferred is None or not self.deferred.pending:
+            return False, None
+        return True, self.deferred.verdict()
+
+    def settle(self, loss: bool = False) -> None:
+        """Judges a pending deferred batch verdict (and with ``loss``, the last loss). Collective.
+
+        Call on every rank before a checkpoint is written: a bad batch of the last step then
+        stops the run before its effect reaches the checkpoint (a non-finite loss's effect is
+        refused by the checkpoint itself, and judged at the next step as before).
+
+        Args:
+            loss: judge the last step's loss too (at the end of training).
+        """
+        had, earlier = self._take_deferred()
+        pending, self._pending = self._pending, None
+        if loss:
+            self._pending = pending
+        try:
+            self.check(earlier, batch_checked=had)
+        finally:
+            if not loss:
+                self._pending = pending
 
     def before_eval_step(
         self,
@@ -140,7 +214,7 @@ class StepGuard:
         """
         if self._checks(batch_idx):
             verdict = self._verdict(batch, f"{stage} batch {batch_idx}", ahead)
-            (ranks,) = agree(verdict, flags=[last], device=self.device)
+            (ranks,) = agree(verdict, flags=[last], device=self.device, group=self.group)
             check_even(ranks, stage, batch_idx)
 
     @property
@@ -210,12 +284,14 @@ class StepGuard:
             self._copied.synchronize()  # the step's copy finished long ago; no stall
             self._copied = None
         error = _nonfinite_loss_error(pending)
-        (last,) = agree(batch_error, error, flags=[last_batch], device=self.device)
+        (last,) = agree(
+            batch_error, error, flags=[last_batch], device=self.device, group=self.group
+        )
         check_even(last, "training", batch_idx)
 
     def flush(self) -> None:
-        """Judges the last recorded loss (call at the end of training, on every rank)."""
-        self.check(None, batch_checked=False)
+        """Judges the last step's loss and batch (call at the end of training, on every rank)."""
+        self.settle(loss=True)
 
 
 def _nonfinite_loss_error(pending: tuple[int, torch.Tensor] | None) -> NonFiniteLossError | None:

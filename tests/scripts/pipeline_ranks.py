@@ -60,9 +60,9 @@ def run(pipeline: str | None, options: dict[str, Any] | None = None, tag: str = 
         **QUIET,
     )
     trainer.fit(model, datamodule=data)
+    training = strategy._runner.training  # the fit's runner; predict builds its own
     preds = trainer.predict(model, dataloaders=data.val_dataloader())
-    pipes = strategy._pipelines
-    training, evaluating = (pipes.training, pipes.evaluation) if pipes else (None, None)
+    evaluating = strategy._runner.evaluation
     torch.save(
         {
             "train": losses.train,

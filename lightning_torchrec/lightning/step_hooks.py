@@ -1,0 +1,106 @@
+"""The step hooks of ``TorchRecStrategy``: every step goes through its ``StepRunner``.
+
+Lightning calls these once per batch. They translate Lightning's calls (its batch, index, global
+step and "last batch" state) into the runner's, which owns the checks, the vote and the
+pipelines; the fused learning rate is pushed into the kernels before each training forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from typing_extensions import override
+
+from lightning_torchrec.compat.lightning import is_last_batch
+from lightning_torchrec.distributed import run_collective
+from lightning_torchrec.training.optim import DenseAndFusedOptimizer
+from lightning_torchrec.training.step_runner import StepRunner
+
+
+class StepHooks:
+    """Mixin for ``TorchRecStrategy`` (which provides the annotated attributes)."""
+
+    lightning_module: Any
+    optimizers: list[Any]
+    collective_timeout: Any
+    _runner: StepRunner | None
+
+    def _push_fused_lr(self) -> None:
+        for opt in self.optimizers:
+            if isinstance(opt, DenseAndFusedOptimizer):
+                opt.push_fused_lr()
+
+    def _collective(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return run_collective(fn, *args, timeout=self.collective_timeout, **kwargs)
+
+    def _move(self, batch: Any) -> Any:
+        return super().batch_to_device(batch)  # type: ignore[misc]
+
+    @override
+    def batch_to_device(self, batch: Any, device: Any = None, dataloader_idx: int = 0) -> Any:
+        # The step checks the host copy (no GPU-to-host sync); a pipeline copies its batches to
+        # the device itself (on its own stream).
+        training = self.lightning_module.trainer.training
+        if self._runner is not None and self._runner.hold(batch, training):
+            return batch
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        # The fused kernels read the LR during backward; a scheduler's change made after the
+        # last step must reach them before this forward (and the first step after a resume).
+        self._push_fused_lr()
+        assert self._runner is not None
+        trainer = self.lightning_module.trainer
+        step, batch_idx = trainer.global_step, int(args[1] if len(args) > 1 else 0)
+        last = is_last_batch(trainer) or batch_idx + 1 >= trainer.num_training_batches
+        last = last or 0 < trainer.max_steps <= step + 1
+        batch = args[0] if args else kwargs.pop("batch")
+        parent = super()
+
+        def run(device_batch: Any) -> Any:
+            return parent.training_step(device_batch, *args[1:], **kwargs)
+
+        return self._runner.train_step(batch, batch_idx, step, last, run, self._move)
+
+    def _eval_step(self, step_fn: Any, stage: str, args: Any, kwargs: Any) -> Any:
+        assert self._runner is not None
+        batch_idx = int(args[1] if len(args) > 1 else kwargs.get("batch_idx", 0))
+        last = is_last_batch(self.lightning_module.trainer)
+        batch = args[0] if args else kwargs.pop("batch")
+
+        def run(device_batch: Any) -> Any:
+            return step_fn(device_batch, *args[1:], **kwargs)
+
+        return self._runner.eval_step(batch, stage, batch_idx, last, run, self._move)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step(super().predict_step, "predict", args, kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step(super().validation_step, "validation", args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step(super().test_step, "test", args, kwargs)
+
+    @override
+    def backward(
+        self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        # The backward runs collectives too (sparse all-to-all, the DDP all-reduce).
+        return self._collective(super().backward, closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        if self._runner is not None and self.lightning_module.trainer.training:
+            self._runner.after_backward()  # semi-sync: the tables' update of this batch
+
+    @override
+    def on_train_end(self) -> None:
+        if self._runner is not None:  # the last step's loss has no next step to be judged at
+            self._runner.end_fit()

@@ -1,0 +1,183 @@
+"""Batch checks on the device, read a step later: no host read of the ids on the critical path.
+
+On a GPU the host must run ahead of the device: reading a batch's ids on the host (or any
+``.item()`` on a device tensor) makes it wait for the GPU's queue. :class:`DeferredVerdict`
+checks a batch *on its device* with a few reductions (no host read of the data; the shapes,
+keys and dtypes it also checks are host metadata), copies the small result to pinned host
+memory without blocking, and reads it at the **next** step's vote, long after the copy finished.
+When the flags say the batch was bad, the full host check
+(:func:`~lightning_torchrec.training.batch_checks.validate_batch`) runs on that batch, only
+then, to name the rank, step, feature, table and value.
+
+What the tables hold in the window: the bad batch's own step has run. fbgemm's embedding kernels
+run with ``bounds_check_mode=WARNING`` (TorchRec's default): an id outside its table is replaced
+by row 0 before any memory access, so nothing is read or written out of bounds, but row 0 of that
+table got that step's update. The run then stops at the next step's vote with the same named
+:class:`~lightning_torchrec.errors.BatchValidationError` on every rank, and a checkpoint is never
+written in the window: saving settles the pending verdict first (a collective), so the last
+checkpoint is the last good state. ``batch_checks="before_forward"`` keeps the strict order
+(checked before the forward, at the cost of reading the ids on the host) where that matters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from lightning_torchrec.errors import BatchValidationError
+from lightning_torchrec.sharding.tables import FeatureSpec
+from lightning_torchrec.training.batch_checks import (
+    check_batch,
+    field_of,
+    kjts_of,
+    out_of_range_message,
+)
+
+#: The flags one batch reduces to: ids out of range, lengths not matching the ids, negative
+#: lengths, non-finite dense features, labels or weights.
+FLAGS = ("ids", "lengths", "negative_lengths", "dense", "labels", "weights")
+
+
+def _structure(batch: Any, specs: Mapping[str, FeatureSpec]) -> str | None:
+    """Checks that need no data (keys, dtypes): the host's metadata, no device sync."""
+    kjts = kjts_of(batch)
+    if specs and not kjts:
+        return f"the batch ({type(batch).__name__}) holds no KeyedJaggedTensor"
+    keys = [k for kjt in kjts for k in kjt.keys()]
+    if [k for k in keys if k not in specs] or sorted(set(specs) - set(keys)):
+        return "unknown or missing sparse features"
+    for kjt in kjts:
+        values = kjt.values()
+        if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+            return "non-integer ids"
+        weighted = [k for k in kjt.keys() if specs[k].weighted]
+        if weighted and kjt.weights_or_none() is None:
+            return "a weighted table's feature without weights"
+    return None
+
+
+def device_flags(batch: Any, specs: Mapping[str, FeatureSpec]) -> torch.Tensor:
+    """The batch's problems as :data:`FLAGS` counts, computed on the batch's device.
+
+    No host read of the batch's data: each id's table size is found by its position among the
+    bags' ends (``searchsorted`` on the device). Three more
+    entries locate the first id out of range (the KJT's index, the id's position, its value):
+    the embedding kernels clamp such ids to 0 in place, so they must be recorded before the
+    forward.
+
+    Args:
+        batch: the batch, on its device.
+        specs: what each sparse feature may hold.
+
+    Returns:
+        An ``int64`` tensor of ``len(FLAGS) + 3`` entries (the flags all zero: a good batch),
+        on the device.
+    """
+    kjts = kjts_of(batch)
+    device = kjts[0].values().device if kjts else torch.device("cpu")
+    flags = torch.zeros(len(FLAGS) + 3, dtype=torch.int64, device=device)
+    flags[len(FLAGS)] = -1
+    for index, kjt in enumerate(kjts):
+        values, lengths = kjt.values(), kjt.lengths()
+        keys = list(kjt.keys())
+        if not keys or lengths.numel() == 0:
+            continue
+        stride = lengths.numel() // len(keys)
+        rows = torch.tensor([specs[k].num_embeddings for k in keys], device=device)
+        per_bag = rows.repeat_interleave(stride)
+        flags[1] += (lengths.sum() != values.numel()).long()
+        flags[2] += (lengths < 0).sum()
+        if values.numel():
+            # Each id's bag by its position against the bags' ends: no host read, and robust
+            # to lengths that do not match the ids (flagged above).
+            ends = torch.cumsum(lengths.clamp(min=0), 0)
+            positions = torch.arange(values.numel(), device=device)
+            bag = torch.searchsorted(ends, positions, right=True).clamp(max=per_bag.numel() - 1)
+            limit = per_bag[bag]
+            bad = (values < 0) | (values >= limit)
+            count = bad.sum()
+            first = torch.argmax(bad.to(torch.int8))
+            unset = (flags[0] == 0) & (count > 0)
+            where = torch.stack([torch.tensor(index, device=device), first, values[first].long()])
+            flags[len(FLAGS) :] = torch.where(unset, where, flags[len(FLAGS) :])
+            flags[0] += count
+    for index, name in ((3, "dense_features"), (4, "labels"), (5, "weights")):
+        t = field_of(batch, name)
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            flags[index] += (~torch.isfinite(t)).sum().to(device)
+    return flags
+
+
+class DeferredVerdict:
+    """One batch's device check, read at the next step (see the module docstring).
+
+    Args:
+        specs: what each sparse feature may hold.
+        dense_width: the expected dense width, or None.
+    """
+
+    def __init__(self, specs: Mapping[str, FeatureSpec], dense_width: int | None) -> None:
+        self.specs = specs
+        self.dense_width = dense_width
+        self._pending: tuple[Any, str, torch.Tensor, Any, str | None] | None = None
+        self._known = False
+        self._host: torch.Tensor | None = None
+
+    def submit(self, batch: Any, where: str) -> None:
+        """Starts checking ``batch`` (on its device) without waiting for the device.
+
+        Args:
+            batch: the step's batch, on its device.
+            where: names the rank and step for the message.
+        """
+        problem = _structure(batch, self.specs)
+        flags = device_flags(batch, self.specs)
+        event = None
+        if flags.is_cuda:
+            if self._host is None:
+                self._host = torch.empty(len(FLAGS) + 3, dtype=torch.int64, pin_memory=True)
+            self._host.copy_(flags, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            flags = self._host
+        self._pending = (batch, where, flags, event, problem)
+        self._known = False
+
+    def submit_known(self) -> None:
+        """Marks this step as judged already (e.g. by a DataLoader worker): nothing to read."""
+        self._pending = None
+        self._known = True
+
+    @property
+    def pending(self) -> bool:
+        """Whether a submitted step waits to be judged (also one judged already)."""
+        return self._pending is not None or self._known
+
+    def verdict(self) -> BatchValidationError | None:
+        """The submitted batch's verdict (its copy finished long ago: no stall), then forgets it.
+
+        Returns:
+            The error naming where and what (from the full check of the batch), or None.
+        """
+        self._known = False
+        if self._pending is None:
+            return None
+        batch, where, flags, event, problem = self._pending
+        self._pending = None
+        if event is not None:
+            event.synchronize()
+        counts = flags[: len(FLAGS)].tolist()
+        if problem is None and not any(counts):
+            return None
+        if counts[0] and problem is None:  # ids were clamped in place: use the record
+            kjt_index, position, value = flags[len(FLAGS) :].tolist()
+            kjt = kjts_of(batch)[kjt_index]
+            text = out_of_range_message(kjt, self.specs, position, value, counts[0])
+            return BatchValidationError(f"{where}: {text}")
+        found = check_batch(batch, self.specs, self.dense_width, where)
+        if found is None:  # the flags and the full check disagree: report the flags
+            named = dict(zip(FLAGS, counts, strict=True))
+            found = BatchValidationError(f"{where}: {problem or named}")
+        return found

@@ -1,0 +1,283 @@
+"""One owner for the step of a sharded model: its verdict, host batch, read-ahead and pipelines.
+
+:class:`StepRunner` is built complete once, after the model is sharded, and is the only place
+that knows how a step runs:
+
+1. the host copy of the step's batch is held (:meth:`StepRunner.hold`) before it goes to the
+   device, so the checks read host memory (no GPU-to-host synchronisation);
+2. one collective per step (:class:`~lightning_torchrec.training.step_guard.StepGuard`) decides
+   the batch verdict (the batches a pipeline sends early, or a DataLoader worker's verdict),
+   the previous step's loss and whether every rank is at its last batch;
+3. the step runs: through the stage's train pipeline
+   (:mod:`~lightning_torchrec.training.pipelines`), or plainly;
+4. after the backward, semi-sync's table update (:meth:`StepRunner.after_backward`).
+
+Every step's work runs under :func:`~lightning_torchrec.distributed.run_collective`, so a peer
+that died gives a named :class:`~lightning_torchrec.errors.PeerFailureError`. Front ends (the
+Trainer glue, a user's own loop) pass the step as a callable; nothing here knows Lightning.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_torchrec.distributed import run_collective
+from lightning_torchrec.sharding.tables import FeatureSpec
+from lightning_torchrec.training.pipelines import SemiSyncPipeline, SparseDistPipeline
+from lightning_torchrec.training.step_guard import StepGuard, check_counts
+from lightning_torchrec.training.worker_checks import check_in_workers
+
+#: When a training batch is checked (see :class:`StepRunner`).
+BATCH_CHECKS = ("auto", "before_forward", "next_step")
+
+
+class StepRunner:
+    """Runs the training and evaluation steps of one sharded model.
+
+    Args:
+        model: the ``DistributedModelParallel``.
+        device: the rank's device.
+        specs: what each sparse feature may hold (from the unsharded model).
+        dense_width: the dense input width, or None.
+        validate_batches: True checks every batch, an int ``N`` the first ``N`` steps, False none.
+        on_nonfinite_loss: ``"raise"`` or ``"ignore"``.
+        pipeline: ``None``, ``"sparse_dist"`` or ``"semi_sync"`` (already resolved).
+        start_batch: ``"semi_sync"``'s first semi-synchronous global step.
+        asked: whether the user named the pipeline (else it came from ``"auto"``).
+        global_step: returns the number of finished training steps.
+        timeout: the collective timeout (for messages).
+        group: the process group the votes run on (a gloo group keeps them on the host).
+        batch_checks: when an unpipelined training batch that no DataLoader worker checked is
+            checked: ``"before_forward"`` (its ids read on the host), ``"next_step"`` (on its
+            device, judged at the next step's vote; see
+            :mod:`~lightning_torchrec.training.device_checks`), or ``"auto"``: ``"next_step"``
+            on CUDA, ``"before_forward"`` on the CPU (where both read the same memory).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        *,
+        specs: dict[str, FeatureSpec],
+        dense_width: int | None,
+        validate_batches: bool | int = True,
+        on_nonfinite_loss: str = "raise",
+        pipeline: str | None = None,
+        start_batch: int = 0,
+        asked: bool = True,
+        global_step: Callable[[], int] = lambda: 0,
+        timeout: Any = None,
+        group: Any = None,
+        batch_checks: str = "auto",
+    ) -> None:
+        if batch_checks not in BATCH_CHECKS:
+            raise ValueError(f"batch_checks must be one of {BATCH_CHECKS}, got {batch_checks!r}")
+        deferred = batch_checks == "next_step" or (batch_checks == "auto" and device.type == "cuda")
+        self.model, self.device = model, device
+        self.pipeline, self.start_batch, self.asked = pipeline, start_batch, asked
+        self.global_step = global_step
+        self.timeout = timeout
+        self.guard = StepGuard(
+            on_nonfinite_loss,
+            device,
+            validate_batches,
+            specs=specs,
+            dense_width=dense_width,
+            group=group,
+            token=uuid.uuid4().hex,
+            deferred=deferred,
+        )
+        self.training: SparseDistPipeline | None = None
+        self.evaluation: SparseDistPipeline | None = None
+        self._host_batch: Any = None
+
+    # ------------------------------------------------------------------ data
+    def collective(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Runs ``fn``, which enters collectives; a peer that died raises ``PeerFailureError``.
+
+        Args:
+            fn: the call.
+            *args: its positional arguments.
+            **kwargs: its keyword arguments.
+
+        Returns:
+            What ``fn`` returned.
+        """
+        return run_collective(fn, *args, timeout=self.timeout, **kwargs)
+
+    def check_counts(self, stage: str, count: float) -> None:
+        """Refuses, on every rank, known batch counts that differ between ranks. Collective.
+
+        Args:
+            stage: ``"training"``, ``"validation"``, ``"test"`` or ``"predict"``.
+            count: this rank's number of batches (``inf`` when unknown).
+        """
+        self.collective(check_counts, count, stage)
+
+    def feed(self, loader: Any, training: bool) -> Any:
+        """Prepares a dataloader: checks in its workers, and reads ahead for the pipeline.
+
+        Args:
+            loader: a training or evaluation dataloader.
+            training: whether it is the training dataloader.
+
+        Returns:
+            The loader to iterate (wrapped when the stage runs a pipeline).
+        """
+        if self.guard.validate_batches is not False:
+            guard = self.guard
+            check_in_workers(loader, guard.specs, guard.dense_width, str(guard.token))
+        if self.pipeline is None:
+            return loader
+        if not training and self.evaluation is None:
+            self.evaluation = SparseDistPipeline(self.model, self.device, self.asked)
+        pipeline = self.stage(training)
+        return loader if pipeline is None else pipeline.feed(loader)
+
+    def stage(self, training: bool) -> SparseDistPipeline | None:
+        """The running stage's pipeline, if any.
+
+        Args:
+            training: whether this is a training step.
+
+        Returns:
+            The pipeline, or None.
+        """
+        return self.training if training else self.evaluation
+
+    def hold(self, batch: Any, training: bool) -> bool:
+        """Keeps the host copy of the coming step's batch for the checks.
+
+        Args:
+            batch: the batch as the loader made it (on the host).
+            training: whether it is a training batch.
+
+        Returns:
+            True when the stage's pipeline copies batches to the device itself (the caller
+            then passes ``batch`` on unmoved).
+        """
+        self._host_batch = batch
+        return self.stage(training) is not None
+
+    def _checked(self, batch: Any) -> Any:
+        host, self._host_batch = self._host_batch, None
+        return batch if host is None else host
+
+    # ------------------------------------------------------------------ steps
+    def train_step(
+        self,
+        batch: Any,
+        batch_idx: int,
+        step: int,
+        last: bool,
+        run: Callable[[Any], Any],
+        move: Callable[[Any], Any],
+    ) -> Any:
+        """One training step: the agreed checks, then the forward (pipelined or not).
+
+        Args:
+            batch: the step's batch as the front end has it (on the device, or the host batch
+                when a pipeline copies it).
+            batch_idx: its index in the epoch.
+            step: the global step.
+            last: whether this rank has no batch after this one in the epoch.
+            run: runs the training step's forward on a device batch and returns its output.
+            move: copies a host batch to the device (when a pipeline falls back).
+
+        Returns:
+            What ``run`` returned.
+        """
+        host = self._checked(batch)
+        pipeline = self.training
+        ahead = pipeline.ahead(batch_idx) if pipeline is not None else None
+        guard = self.guard
+        self.collective(guard.before_training_step, host, step, batch_idx, last, ahead, batch)
+        if pipeline is None:
+            output = self.collective(run, batch)
+        else:
+            output, usable = self.collective(pipeline.run, run, lambda: run(move(host)))
+            if not usable:
+                self.training = None
+        self.guard.record_loss(output, step)
+        return output
+
+    def eval_step(
+        self,
+        batch: Any,
+        stage: str,
+        batch_idx: int,
+        last: bool,
+        run: Callable[[Any], Any],
+        move: Callable[[Any], Any],
+    ) -> Any:
+        """One validation, test or predict step (see :meth:`train_step`).
+
+        Args:
+            batch: the step's batch as the front end has it.
+            stage: ``"validation"``, ``"test"`` or ``"predict"``.
+            batch_idx: its index.
+            last: whether this rank has no batch after this one.
+            run: runs the step on a device batch.
+            move: copies a host batch to the device.
+
+        Returns:
+            What ``run`` returned.
+        """
+        host = self._checked(batch)
+        pipeline = self.evaluation
+        ahead = pipeline.ahead(batch_idx) if pipeline is not None else None
+        self.collective(self.guard.before_eval_step, host, stage, batch_idx, last, ahead)
+        if pipeline is None:
+            return self.collective(run, batch)
+        output, usable = self.collective(pipeline.run, run, lambda: run(move(host)))
+        if not usable:
+            self.evaluation = None
+        return output
+
+    def settle(self) -> None:
+        """Judges a pending batch verdict on every rank (before a checkpoint is written)."""
+        self.collective(self.guard.settle)
+
+    def after_backward(self) -> None:
+        """After the backward of a training step: semi-sync's table update of that batch."""
+        if self.training is not None:
+            self.collective(self.training.after_backward)
+
+    # ------------------------------------------------------------------ stages
+    def start_fit(self) -> None:
+        """A new training pipeline for a new fit (none without a pipeline)."""
+        if self.pipeline == "semi_sync":
+            self.training = SemiSyncPipeline(
+                self.model, self.device, self.start_batch, self.global_step, self.asked
+            )
+        elif self.pipeline is not None:
+            self.training = SparseDistPipeline(self.model, self.device, self.asked)
+
+    def end_fit(self) -> None:
+        """Judges the last step's loss (collective) and releases the training pipeline."""
+        self.collective(self.guard.flush)
+        if self.training is not None:  # a later fit, validate or predict: the own forwards
+            self.training.release()
+
+    def start_evaluation(self) -> None:
+        """Before evaluation: the sharded modules run their own forwards again."""
+        if self.training is not None:  # it re-attaches at its next step
+            self.training.detach()
+
+    def end_evaluation(self) -> None:
+        """After evaluation: releases the evaluation pipeline's batches and iterator."""
+        if self.evaluation is not None:
+            self.evaluation.release()
+
+    def close(self) -> None:
+        """Releases both pipelines' batches and iterators (at teardown)."""
+        for pipeline in (self.training, self.evaluation):
+            if pipeline is not None:
+                pipeline.release()
+        self._host_batch = None

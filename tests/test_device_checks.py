@@ -1,0 +1,89 @@
+"""Batch checks judged a step later (``batch_checks="next_step"``, CUDA's default), on the CPU.
+
+The code path is the device one (reductions on the batch's device, verdict read at the next
+vote); on the CPU the pinned copy is skipped. One process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+from lightning_torchrec import TorchRecStrategy
+from lightning_torchrec.errors import BatchValidationError
+from lightning_torchrec.training.device_checks import FLAGS, DeferredVerdict, device_flags
+from tests.scripts.factory import cpu_trainer, table_wise
+from tests.test_validation import SPECS, _Batches, batch, model
+
+
+def _named(found: torch.Tensor) -> dict[str, int]:
+    return dict(zip(FLAGS, found[: len(FLAGS)].tolist(), strict=True))
+
+
+def test_device_flags_count_each_kind_of_problem() -> None:
+    assert set(_named(device_flags(batch(), SPECS)).values()) == {0}
+    found = device_flags(batch(values=torch.tensor([1, -2, 10, 20])), SPECS)
+    assert _named(found)["ids"] == 2  # cat_0: -2; cat_1 (20 rows): 20
+    assert found[len(FLAGS) :].tolist() == [0, 1, -2]  # the first bad id: KJT 0, position 1
+    nan = batch(dense_features=torch.tensor([[0.0, float("nan"), 0.0], [0.0, 0.0, 0.0]]))
+    assert _named(device_flags(nan, SPECS))["dense"] == 1
+    short = batch(lengths=torch.tensor([1, 1, 1, 0]))
+    assert _named(device_flags(short, SPECS))["lengths"] == 1
+
+
+def test_the_verdict_names_the_step_it_was_submitted_at() -> None:
+    deferred = DeferredVerdict(SPECS, 3)
+    deferred.submit(batch(values=torch.tensor([1, 2, 3, 20])), "rank 0, step 7")
+    assert deferred.pending
+    error = deferred.verdict()
+    assert "rank 0, step 7: feature 'cat_1'" in str(error) and "id 20" in str(error)
+    assert not deferred.pending and deferred.verdict() is None
+    deferred.submit(batch(), "rank 0, step 8")
+    assert deferred.verdict() is None
+
+
+def _fit(tmp_path: Path, bad_at: int, every_step_checkpoint: bool = False):
+    strategy = TorchRecStrategy(constraints=table_wise(2), log_plan=False, batch_checks="next_step")
+    callbacks = []
+    if every_step_checkpoint:
+        callbacks = [ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=1, save_top_k=-1)]
+    trainer = cpu_trainer(
+        strategy,
+        max_steps=6,
+        use_distributed_sampler=False,
+        callbacks=callbacks,
+        enable_checkpointing=every_step_checkpoint,
+    )
+    module = model()
+    with pytest.raises(BatchValidationError) as err:
+        trainer.fit(module, DataLoader(_Batches(bad_at), batch_size=None))
+    return trainer, module, str(err.value)
+
+
+def test_a_bad_batch_stops_training_at_the_next_step_naming_its_own_step(tmp_path) -> None:
+    trainer, module, message = _fit(tmp_path, bad_at=2)
+    assert "rank 0, step 2: feature 'cat_1'" in message and "id 1000" in message
+    assert trainer.global_step == 3  # step 2 ran; step 3 was refused before its forward
+    tables = [p for n, p in module.state_dict().items() if "embedding_bags" in n]
+    assert tables and all(
+        torch.isfinite(t.local_tensor() if hasattr(t, "local_tensor") else t).all() for t in tables
+    )
+
+
+def test_no_checkpoint_holds_the_bad_batch_update(tmp_path) -> None:
+    trainer, _, message = _fit(tmp_path, bad_at=2, every_step_checkpoint=True)
+    assert "step 2" in message
+    saved = sorted(p.name for p in (tmp_path / "ck").iterdir())
+    # Saved after steps 0 and 1 (global steps 1, 2); the save after the bad step 2 settled the
+    # verdict first and stopped.
+    assert saved == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt"], saved
+    assert trainer.global_step == 3
+
+
+def test_the_strategy_refuses_an_unknown_timing() -> None:
+    with pytest.raises(ValueError, match="batch_checks must be one of"):
+        TorchRecStrategy(batch_checks="sometimes")
