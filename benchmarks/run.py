@@ -33,6 +33,7 @@ BENCHMARKS = [
     "checkpoint_cost",
     "planner_scale",
     "pipeline_throughput",
+    "lightning_step_cost",
     "semi_sync_gap",
     "data_loading",
     "export_cost",
@@ -99,6 +100,30 @@ def pipeline_table(out: Path) -> list[str]:
                 f"and step at {limit['bytes_per_s'] / 1e9:.1f} GB/s | "
                 f"{1e3 * limit['floor_step_s']:.2f} ms | | | 100% |"
             )
+    return [*lines, ""]
+
+
+def step_cost_table(out: Path) -> list[str]:
+    """What the Trainer adds per step, piece by piece (empty without its result file)."""
+    r = _load(out, "lightning_step_cost_benchmark") or _load(out, "lightning_step_cost_tiny")
+    if not r:
+        return []
+    lines = [
+        "## What the Trainer adds to a step, piece by piece (CPU, 2 gloo ranks)",
+        "",
+        f"{_size(r['size'])}; {r['rounds']} interleaved rounds; step = median over rounds of each "
+        "round's median (IQR over rounds). Each row removes one more piece; `- sigterm` patches "
+        "out Lightning's per-step SIGTERM broadcast in the benchmark only (the strategy cannot). "
+        "`python -m benchmarks.lightning_step_cost`.",
+        "",
+        "| variant | step | ratio to raw | extra per step |",
+        "|---|---|---|---|",
+    ]
+    for variant, v in r["variants"].items():
+        lines.append(
+            f"| {variant} | {_ms(v['round_median_step_s'])} | {v['ratio_to_raw_base']:.3f} | "
+            f"{v['extra_ms_per_step']:+.2f} ms |"
+        )
     return [*lines, ""]
 
 
@@ -215,6 +240,7 @@ def table(out: Path) -> str:
         "",
     ]
     lines += pipeline_table(out)
+    lines += step_cost_table(out)
     lines += semi_sync_table(out)
     lines += gpu_table(out)
     r = _load(out, "strategy_overhead")

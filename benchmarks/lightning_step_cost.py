@@ -1,0 +1,147 @@
+"""What the Trainer adds to a step, piece by piece: each removed in turn, against the raw loop.
+
+2 gloo ranks on CPU, the same DLRM, batches and optimizers. Variants, run in interleaved rounds
+(A B C ... A B C ...) in the same processes:
+
+* ``raw_base``: the hand-written TorchRec loop (``benchmarks.harness.RawLoop``);
+* ``trainer_defaults``: Lightning's defaults (progress bar, logger, checkpointing) and the
+  strategy's (batch checks, loss guard, ``pipeline="auto"``);
+* ``trainer_parity``: the strategy's defaults, Lightning's extras off;
+* ``- checks``: ``validate_batches=False``, ``on_nonfinite_loss="ignore"`` (the strategy's
+  per-step vote is then skipped);
+* ``- sigterm``: also without Lightning's per-step SIGTERM broadcast (``_broadcast_sigterm_tensor``:
+  one ``broadcast`` and one ``.item()`` per step; patched out here only, to measure it);
+* ``- log``: also without the module's ``self.log("train/loss")`` (Lightning's result
+  collection per logged value).
+
+What remains after the last is Lightning's loop itself (hooks, closures, the optimizer wrapper)
+and the strategy's output key order. Ratios: step time / ``raw_base``'s.
+
+Run: ``python -m benchmarks.lightning_step_cost [--size tiny|demo|benchmark] [--rounds 5]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+from benchmarks.common import RESULTS, stats, write_result
+from benchmarks.harness import SEED, dataset, versions
+from benchmarks.pipeline_throughput import SIZES, Setup, raw_run, trainer_run
+
+NO_CHECKS = {"validate_batches": False, "on_nonfinite_loss": "ignore"}
+VARIANTS = [
+    "trainer_defaults",
+    "trainer_parity",
+    "trainer_parity - checks",
+    "trainer_parity - checks - sigterm",
+    "trainer_parity - checks - sigterm - log",
+    "raw_base",
+]
+
+
+@contextlib.contextmanager
+def patched(obj: Any, name: str, value: Any) -> Iterator[None]:
+    """Sets ``obj.name`` to ``value`` within (for this benchmark's what-if variants only)."""
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+def run_variant(variant: str, size: Any, data: Any, steps: int, warmup: int) -> list[float]:
+    """One run of ``variant``: its per-step host times."""
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    from lightning_torchrec.lightning.module import TorchRecModule
+
+    setup = Setup()
+    if variant == "raw_base":
+        return raw_run(size, data, steps, False, setup, warmup).times[warmup:]
+    extra = NO_CHECKS if "- checks" in variant else {}
+    with contextlib.ExitStack() as stack:
+        if "- sigterm" in variant:
+            stack.enter_context(
+                patched(_TrainingEpochLoop, "_broadcast_sigterm_tensor", lambda self: None)
+            )
+        if "- log" in variant:
+            stack.enter_context(
+                patched(TorchRecModule, "_log_train_loss", lambda self, loss, n: None)
+            )
+        run = trainer_run(
+            size,
+            data,
+            steps,
+            "default",
+            setup,
+            warmup,
+            lightning_defaults=variant == "trainer_defaults",
+            **extra,
+        )
+    return run.times[warmup:]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", choices=sorted(SIZES), default="benchmark")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--quick", action="store_true", help="tiny model, one short round")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.size, args.rounds, args.steps, args.warmup = "tiny", 1, 12, 2
+    torch.set_num_threads(1)
+    size = SIZES[args.size]()
+    data = dataset(size, 2 * (args.steps + 4))
+    rounds: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    steps: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for _ in range(args.rounds):
+        for variant in VARIANTS:
+            L.seed_everything(SEED, verbose=False)
+            times = run_variant(variant, size, data, args.steps, args.warmup)
+            rounds[variant].append(statistics.median(times))
+            steps[variant].extend(times)
+    if dist.get_rank() != 0:
+        return None
+    base = statistics.median(rounds["raw_base"])
+    result: dict[str, Any] = {
+        "size": size.to_dict(),
+        "world_size": 2,
+        "rounds": args.rounds,
+        "steps_per_run": args.steps,
+        "warmup": args.warmup,
+        "versions": versions(),
+        "variants": {},
+    }
+    for variant in VARIANTS:
+        per_round = stats(rounds[variant])
+        result["variants"][variant] = {
+            "round_median_step_s": per_round,
+            "step_s": stats(steps[variant]),
+            "ratio_to_raw_base": per_round["median"] / base,
+            "extra_ms_per_step": 1e3 * (per_round["median"] - base),
+        }
+        print(
+            f"{variant:42s} {1e3 * per_round['median']:8.2f} ms (IQR {1e3 * per_round['iqr']:.2f})"
+            f"  x{per_round['median'] / base:.3f}",
+            flush=True,
+        )
+    path = write_result(f"lightning_step_cost_{args.size}", result, Path(args.out))
+    print(f"lightning_step_cost: wrote {path}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

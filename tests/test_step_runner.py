@@ -1,0 +1,49 @@
+"""The step's owner and the pipeline chosen by default (one process)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from lightning_torchrec import TorchRecStrategy
+from lightning_torchrec.training.pipelines import (
+    SEMI_SYNC_START_BATCH,
+    PipelineConfig,
+    resolve_pipeline,
+)
+from tests.scripts.factory import cpu_trainer, table_wise, tiny_data, tiny_dlrm
+
+
+def test_pipeline_options_are_parsed_once_with_their_defaults() -> None:
+    assert PipelineConfig.parse("semi_sync", None).start_batch == SEMI_SYNC_START_BATCH
+    assert PipelineConfig.parse("semi_sync", {"start_batch": 3}).start_batch == 3
+    assert PipelineConfig.parse(None, None).kind is None
+    with pytest.raises(ValueError, match="pipeline must be one of"):
+        PipelineConfig.parse("fast", None)
+    with pytest.raises(ValueError, match=r"pipeline_options\['start_batch'\] is not an option"):
+        PipelineConfig.parse("auto", {"start_batch": 1})
+
+
+def test_auto_is_sparse_dist_on_cuda_and_none_on_cpu(caplog: pytest.LogCaptureFixture) -> None:
+    auto = PipelineConfig.parse("auto", None)
+    assert resolve_pipeline(auto, torch.device("cpu"), None) is None
+    assert resolve_pipeline(auto, torch.device("cuda", 0), None) == "sparse_dist"
+    with caplog.at_level(logging.INFO, logger="lightning_torchrec.training.pipelines"):
+        assert resolve_pipeline(auto, torch.device("cuda", 0), "gradient accumulation") is None
+    assert "pipeline='auto' trains without a pipeline: gradient accumulation" in caplog.text
+    named = PipelineConfig.parse("sparse_dist", None)
+    assert resolve_pipeline(named, torch.device("cpu"), None) == "sparse_dist"
+
+
+def test_the_default_strategy_trains_unpipelined_on_cpu_with_a_complete_runner() -> None:
+    strategy = TorchRecStrategy(constraints=table_wise(2), log_plan=False)
+    assert strategy.pipeline == "auto"
+    trainer = cpu_trainer(strategy, max_steps=3, accumulate_grad_batches=1)
+    trainer.fit(tiny_dlrm(), datamodule=tiny_data())
+    runner = strategy._runner
+    assert strategy.pipeline_in_use is None and runner.training is None
+    assert runner.guard.specs and runner.guard.token  # built complete at setup
+    strategy.validate_batches = 5
+    assert runner.guard.validate_batches == 5  # the setting reaches the running guard
