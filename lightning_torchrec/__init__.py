@@ -1,9 +1,11 @@
 """lightning-torchrec: train TorchRec models with sharded embedding tables using lightning.Trainer.
 
-Importing the package registers ``Trainer(strategy="torchrec")`` (and ``"torchrec_spawn"``,
-``"torchrec_fork"``, ``"torchrec_notebook"``).
+Importing the package registers ``Trainer(strategy="torchrec")`` and
+``Fabric(strategy="torchrec")`` (and ``"torchrec_spawn"``, ``"torchrec_fork"``,
+``"torchrec_notebook"``).
 """
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_torchrec.checkpoint import is_sharded_checkpoint, load_unsharded
@@ -24,6 +26,7 @@ from lightning_torchrec.errors import (
     UnevenDataError,
     UnsafeCheckpointError,
 )
+from lightning_torchrec.fabric import TorchRecFabricStrategy
 from lightning_torchrec.lightning import (
     DLRMClickModule,
     EmbeddingNormCallback,
@@ -46,6 +49,7 @@ from lightning_torchrec.training.optim import (
 )
 
 TorchRecStrategy.register_strategies(StrategyRegistry)
+TorchRecFabricStrategy.register_strategies(STRATEGY_REGISTRY)
 filter_upstream_warnings()
 
 __version__ = "0.1.0"
@@ -69,6 +73,7 @@ __all__ = [
     "RankFailureError",
     "ShardingConflictError",
     "SyntheticClickData",
+    "TorchRecFabricStrategy",
     "TorchRecModule",
     "TorchRecStrategy",
     "UnevenDataError",

@@ -10,7 +10,8 @@ A *layer* is a subpackage (``sharding``, ``training``, ...) or a top-level modul
 
 1. A module imports package modules of its own layer or of the layers in its ``may_import``.
 2. Within a layer, module imports form no cycle.
-3. Only the Trainer glue (``lightning``) and the application import ``lightning.pytorch``;
+3. Only the Trainer glue (``lightning``) and the application import ``lightning.pytorch``; the
+   Fabric glue (``fabric``) stands beside the Trainer glue and imports ``lightning.fabric`` only;
    ``data``'s data modules may subclass ``lightning.pytorch.LightningDataModule`` (their loaders
    serve a Fabric loop as well). The core may use ``lightning.fabric``.
 4. Private names of torch, TorchRec, fbgemm and Lightning appear only in ``compat``; Lightning's
@@ -102,15 +103,32 @@ LAYERS: tuple[Layer, ...] = (
         trainer=True,
     ),
     Layer(
+        "fabric",
+        "the Fabric glue: ``TorchRecFabricStrategy`` for a loop of the user's own: the same "
+        "sharding, combined optimizer, agreed step checks and sharded checkpoints as the Trainer "
+        "glue, over the same core",
+        (*_BASE, "sharding", "training", "checkpoint"),
+    ),
+    Layer(
         "app",
         "the package's face (``__init__``), the demo job and the command lines",
-        (*_BASE, "data", "models", "sharding", "training", "checkpoint", "export", "lightning"),
+        (
+            *_BASE,
+            "data",
+            "models",
+            "sharding",
+            "training",
+            "checkpoint",
+            "export",
+            "lightning",
+            "fabric",
+        ),
         trainer=True,
     ),
 )
 
 #: Top-level modules of the application layer (the other layers are named by their module).
-APP_MODULES = ("__init__", "architecture", "consolidate", "demo")
+APP_MODULES = ("__init__", "architecture", "consolidate", "demo", "demo_fabric")
 
 #: The only layers that may import ``compat.lightning`` (Lightning's private names).
 LIGHTNING_PRIVATE_USERS = ("lightning", "app")

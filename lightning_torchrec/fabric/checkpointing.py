@@ -1,0 +1,162 @@
+"""``fabric.save``/``fabric.load`` for ``TorchRecFabricStrategy``: sharded DCP directories.
+
+Fabric hands the strategy a dict of modules, optimizers and plain values. The (one) sharded
+module and the optimizers go to :func:`lightning_torchrec.checkpoint.save_sharded` exactly as the
+Trainer glue passes its LightningModule and optimizers, and the plain values become the
+checkpoint's metadata (``meta.pt``), so the directory is the same format with the same
+guarantees (atomic, verified, loaded without running code, resharded to another plan or world
+size). A checkpoint written here resumes under the Trainer's ``TorchRecStrategy`` when the
+module's parameter names match the LightningModule's, and the other way round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from lightning.fabric import __version__ as lightning_version
+from torch import nn
+from torch.optim import Optimizer
+from torchrec.optim.keyed import KeyedOptimizer
+from typing_extensions import override
+
+from lightning_torchrec.checkpoint import load_sharded, save_sharded
+from lightning_torchrec.sharding.tables import unwrap
+from lightning_torchrec.training.optim import keyed_optimizer
+
+#: Entries the Trainer needs to resume a checkpoint (absent ones are written empty).
+TRAINER_ENTRIES: dict[str, Any] = {
+    "lr_schedulers": [],
+    "pytorch-lightning_version": lightning_version,
+}
+
+
+def split_state(
+    state: Mapping[str, Any], sharded: nn.Module | None
+) -> tuple[nn.Module, list[KeyedOptimizer], dict[str, Any]]:
+    """Splits Fabric's state dict into the sharded module, the optimizers and plain values.
+
+    Args:
+        state: ``{name: module | optimizer | value}`` as Fabric passes it (unwrapped).
+        sharded: the strategy's ``DistributedModelParallel``.
+
+    Returns:
+        The module inside the DMP, the keyed optimizers (in the order of ``state``), and the
+        remaining entries.
+
+    Raises:
+        ValueError: when ``state`` holds no module, another module than the set-up one, or
+            more than one module.
+    """
+    modules = [v for v in state.values() if isinstance(v, nn.Module)]
+    if len(modules) != 1 or sharded is None or unwrap(modules[0]) is not unwrap(sharded):
+        raise ValueError(
+            "A TorchRec checkpoint holds exactly one module: the one `fabric.setup_module` "
+            f"sharded; got {len(modules)} module(s) in the state "
+            f"{sorted(k for k, v in state.items() if isinstance(v, nn.Module))}."
+        )
+    optimizers = [keyed_optimizer(v) for v in state.values() if isinstance(v, Optimizer)]
+    plain = {k: v for k, v in state.items() if not isinstance(v, (nn.Module, Optimizer))}
+    return unwrap(modules[0]), optimizers, plain
+
+
+class FabricCheckpointing:
+    """Mixin for ``TorchRecFabricStrategy`` (which provides the annotated attributes)."""
+
+    _dmp: Any
+    _runner: Any
+    broadcast: Any
+    check_finite_checkpoints: bool
+    load_optimizer_states: bool
+    _collective: Any
+    _push_fused_lr: Any
+
+    @override
+    def save_checkpoint(
+        self,
+        path: Any,
+        state: dict[str, Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Any] | None = None,
+    ) -> None:
+        """Writes a sharded checkpoint directory (every rank writes its shards). Collective.
+
+        Args:
+            path: the checkpoint directory (rank 0's path is used by every rank).
+            state: the model (the set-up one), optimizers and plain values to save.
+            storage_options: not supported.
+            filter: not supported.
+
+        Raises:
+            TypeError: for ``storage_options`` or ``filter``.
+            ValueError: see :func:`split_state`.
+            NonFiniteCheckpointError: for NaN/inf weights or optimizer state; nothing is written.
+            BatchValidationError: when a batch judged a step late was bad (on every rank).
+        """
+        if storage_options is not None or filter is not None:
+            raise TypeError("TorchRecFabricStrategy.save_checkpoint takes no options or filter")
+        if self._runner is not None:  # a batch judged a step late never reaches a checkpoint
+            self._runner.settle()
+        target = Path(self._collective(self.broadcast, str(path)))
+        module, optimizers, plain = split_state(state, self._dmp)
+        save_sharded(
+            target,
+            module,
+            optimizers,
+            {**TRAINER_ENTRIES, **plain},
+            check_finite_values=self.check_finite_checkpoints,
+        )
+
+    @override
+    def load_checkpoint(
+        self,
+        path: Any,
+        state: Any = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Loads a sharded checkpoint in place, resharding to this plan and world. Collective.
+
+        Args:
+            path: a checkpoint directory written by this strategy or ``TorchRecStrategy``.
+            state: the set-up module, or ``{name: module | optimizer | value}``; plain values
+                are replaced by the checkpoint's (in place).
+            strict: raise when a plain value of ``state`` is not in the checkpoint.
+            weights_only: read the metadata with ``torch.load(weights_only=...)`` (default
+                True; tensors are always read without running code).
+
+        Returns:
+            The checkpoint's plain values that ``state`` did not ask for.
+
+        Raises:
+            ValueError: without a module to load into.
+            KeyError: with ``strict``, for a plain value the checkpoint lacks.
+            CheckpointMismatchError: if the model or optimizers do not fit the checkpoint.
+            CheckpointCorruptError: if a file is damaged, naming it.
+            UnsafeCheckpointError: if a file would run code when loaded.
+        """
+        if isinstance(state, nn.Module):
+            state = {"model": state}
+        if not isinstance(state, dict):
+            raise ValueError(
+                "fabric.load of a sharded TorchRec checkpoint needs the objects to load into: "
+                "`fabric.load(path, {'model': model, 'optimizer': optimizer, ...})`."
+            )
+        target = Path(self._collective(self.broadcast, str(path)))
+        module, optimizers, plain = split_state(state, self._dmp)
+        meta = load_sharded(
+            target,
+            module,
+            optimizers,
+            weights_only=True if weights_only is None else weights_only,
+            load_optimizer_states=self.load_optimizer_states,
+        )
+        self._push_fused_lr()
+        missing = [k for k in plain if k not in meta]
+        if strict and missing:
+            raise KeyError(f"the checkpoint {target} holds no {missing}")
+        for key in plain:
+            if key in meta:
+                state[key] = meta.pop(key)
+        return meta

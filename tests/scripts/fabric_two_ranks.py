@@ -1,0 +1,228 @@
+"""2-rank Fabric phases in one launch (run as a script; Lightning relaunches it per rank).
+
+Same model, data and seeds throughout (4 table-wise tables, row-wise Adagrad fused, dense Adam):
+1. ``raw``: TorchRec's own loop (DMP, ``CombinedOptimizer``), no Lightning;
+2. ``fabric``: a Fabric loop over ``TorchRecFabricStrategy``; ``fabric.save`` at step ``K``;
+3. ``trainer``: the Trainer with ``TorchRecStrategy`` on the same per-rank batches;
+4. ``fabric_resume``: a fresh model (another seed) ``fabric.load``s step ``K`` and finishes;
+5. ``trainer_resume``: the Trainer resumes the Fabric checkpoint and finishes;
+6. ``faults``: a bad batch, then a NaN loss, on rank 1 only.
+
+Each rank writes ``{phase}_rank{r}.pt`` (losses, local weights, what it raised) into argv[1].
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from factory import WIDE, QUIET, table_wise  # sibling module (script directory)
+from lightning.pytorch.callbacks import Callback
+from rank_state import local_view  # sibling module (script directory)
+from torch import nn
+from torch.utils.data import DataLoader, Subset
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+from torchrec.distributed.types import ShardingEnv
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from lightning_torchrec import (
+    DLRMClickModule,
+    TorchRecFabricStrategy,
+    TorchRecStrategy,
+    dense_parameters,
+)
+from lightning_torchrec.data import Batch, SyntheticClickDataset
+from lightning_torchrec.models.dlrm import dlrm_click_model
+from lightning_torchrec.sharding.planning import default_sharders
+
+START = time.perf_counter()
+OUT = Path(sys.argv[1])
+ROWS, TABLES, STEPS, K, SEED = [50] * 4, 4, 12, 6, 7
+FUSED = {"learning_rate": 0.2}
+LR = 1e-2
+DATA = SyntheticClickDataset(ROWS, num_batches=2 * STEPS, batch_size=64, ids_per_feature=2, seed=3)
+
+
+class Click(nn.Module):
+    """The model of the Fabric loop, named like ``DLRMClickModule`` so checkpoints are shared."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        kw = dict(
+            dense_arch_layer_sizes=WIDE["dense_sizes"], over_arch_layer_sizes=WIDE["over_sizes"]
+        )
+        self.model_and_loss = dlrm_click_model(ROWS, embedding_dim=WIDE["embedding_dim"], **kw)
+
+    def forward(self, batch: Any) -> Any:
+        return self.model_and_loss(batch)
+
+
+def batches(rank: int, start: int = 0) -> DataLoader:
+    """This rank's batches of the steps ``start ...`` (the same for every front end)."""
+    return DataLoader(Subset(DATA, range(2 * start + rank, 2 * STEPS, 2)), batch_size=None)
+
+
+def save(name: str, obj: Any) -> None:
+    torch.save(obj, OUT / f"{name}_rank{dist.get_rank()}.pt")
+    print(f"{name} done at {time.perf_counter() - START:.1f}s", flush=True)
+
+
+def raw() -> dict[str, Any]:
+    L.seed_everything(SEED)
+    model, world = Click(), dist.get_world_size()
+    sharders = default_sharders(FUSED)
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world, compute_device="cpu", local_world_size=world),
+        constraints=table_wise(TABLES),
+    )
+    plan = planner.collective_plan(model, sharders, dist.group.WORLD)
+    torch.manual_seed(SEED + 1)  # the tables' initial values
+    dmp = DistributedModelParallel(
+        model,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=torch.device("cpu"),
+        plan=plan,
+        sharders=sharders,
+    )
+    dense = {
+        n: p
+        for n, p in dmp.named_parameters()
+        if p.requires_grad and not hasattr(p, "_in_backward_optimizers")
+    }
+    opt = CombinedOptimizer(
+        [
+            ("dense", KeyedOptimizerWrapper(dense, lambda ps: torch.optim.Adam(ps, lr=LR))),
+            ("embedding", dmp.fused_optimizer),
+        ]
+    )
+    losses = []
+    for batch in batches(dist.get_rank()):
+        opt.zero_grad()
+        loss, _ = dmp(batch)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return {"losses": torch.stack(losses), "model": local_view(model.state_dict())}
+
+
+def fabric_loop(fabric: L.Fabric, start: int = 0, seed: int = SEED) -> dict[str, Any]:
+    L.seed_everything(seed)
+    # --- the user's loop ---
+    unsharded = Click()
+    torch.manual_seed(seed + 1)  # the tables' initial values
+    model = fabric.setup_module(unsharded)
+    optimizer = fabric.setup_optimizers(torch.optim.Adam(dense_parameters(model), lr=LR))
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    if start:
+        fabric.load(OUT / f"fabric_step{K}", state)
+        assert state["step"] == start, state["step"]
+    loader = batches(fabric.global_rank, start)
+    losses = []
+    for step, batch in enumerate(loader, start=start):
+        optimizer.zero_grad()
+        loss, _ = model(batch)
+        fabric.backward(loss)
+        optimizer.step()
+        losses.append(loss.detach())
+        if step + 1 == K and not start:
+            state["step"] = K
+            fabric.save(OUT / f"fabric_step{K}", state)
+    fabric.strategy.finish()
+    return {"losses": torch.stack(losses), "model": local_view(model.module.state_dict())}
+
+
+class Reseed(Callback):
+    """Seeds the tables' initial values right before the strategy shards the model."""
+
+    def setup(self, trainer: Any, module: Any, stage: str) -> None:
+        torch.manual_seed(SEED + 1)
+
+
+class Losses(Callback):
+    def __init__(self) -> None:
+        self.losses: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, *args: Any) -> None:
+        self.losses.append(outputs["loss"].detach())
+
+
+def trainer_run(start: int = 0) -> dict[str, Any]:
+    L.seed_everything(SEED if not start else 99)
+    module = DLRMClickModule(
+        ROWS,
+        embedding_dim=WIDE["embedding_dim"],
+        dense_arch_layer_sizes=WIDE["dense_sizes"],
+        over_arch_layer_sizes=WIDE["over_sizes"],
+        optimizer=lambda p: torch.optim.Adam(p, lr=LR),
+        train_metrics_every_n_steps=0,
+    )
+    losses = Losses()
+    strategy = TorchRecStrategy(constraints=table_wise(TABLES), fused_params=FUSED, log_plan=False)
+    trainer = L.Trainer(
+        strategy=strategy,
+        devices=2,
+        max_steps=STEPS - start,
+        callbacks=[losses, Reseed()],
+        use_distributed_sampler=False,
+        limit_val_batches=0,
+        **QUIET,
+    )
+    ckpt = OUT / f"fabric_step{K}" if start else None
+    trainer.fit(module, train_dataloaders=batches(trainer.global_rank, start), ckpt_path=ckpt)
+    return {"losses": torch.stack(losses.losses), "model": local_view(module.state_dict())}
+
+
+def faults(fabric: L.Fabric) -> dict[str, Any]:
+    L.seed_everything(SEED)
+    model = fabric.setup_module(Click())
+    optimizer = fabric.setup_optimizers(torch.optim.Adam(dense_parameters(model), lr=LR))
+    rank, seen = fabric.global_rank, {}
+    for name in ("bad_batch", "nan_loss"):
+        try:
+            for step, batch in enumerate(batches(rank)):
+                if name == "bad_batch" and rank == 1 and step == 2:
+                    kjt = batch.sparse_features
+                    bad = KeyedJaggedTensor(kjt.keys(), kjt.values() + 1000, lengths=kjt.lengths())
+                    batch = Batch(batch.dense_features, bad, batch.labels)
+                optimizer.zero_grad()
+                loss, _ = model(batch)
+                if name == "nan_loss" and rank == 1 and step == 3:
+                    loss = loss * float("nan")
+                fabric.backward(loss)
+                optimizer.step()
+            fabric.strategy.finish()
+            seen[name] = None
+        except Exception as e:  # every rank must raise the same named error
+            seen[name] = (type(e).__name__, str(e), step)
+    return seen
+
+
+def main() -> None:
+    strategy = TorchRecFabricStrategy(constraints=table_wise(TABLES), fused_params=FUSED)
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    save(
+        "registry",
+        {
+            "name": type(
+                L.Fabric(strategy="torchrec", accelerator="cpu", devices=2).strategy
+            ).__name__
+        },
+    )
+    save("raw", raw())
+    save("fabric", fabric_loop(fabric))
+    save("trainer", trainer_run())
+    save("fabric_resume", fabric_loop(fabric, start=K, seed=99))
+    save("trainer_resume", trainer_run(start=K))
+    save("faults", faults(fabric))
+
+
+if __name__ == "__main__":
+    main()
