@@ -21,7 +21,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
-from factory import WIDE, QUIET, table_wise  # sibling module (script directory)
+from factory import QUIET, WIDE, table_wise  # sibling module (script directory)
 from lightning.pytorch.callbacks import Callback
 from rank_state import local_view  # sibling module (script directory)
 from torch import nn
@@ -43,7 +43,7 @@ from lightning_torchrec.models.dlrm import dlrm_click_model
 from lightning_torchrec.sharding.planning import default_sharders
 
 START = time.perf_counter()
-OUT = Path(sys.argv[1])
+OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path()
 ROWS, TABLES, STEPS, K, SEED = [50] * 4, 4, 12, 6, 7
 FUSED = {"learning_rate": 0.2}
 LR = 1e-2
@@ -134,6 +134,7 @@ def fabric_loop(fabric: L.Fabric, start: int = 0, seed: int = SEED) -> dict[str,
         if step + 1 == K and not start:
             state["step"] = K
             fabric.save(OUT / f"fabric_step{K}", state)
+            save("fabric_saved", {"model": local_view(model.module.state_dict())})
     fabric.strategy.finish()
     return {"losses": torch.stack(losses), "model": local_view(model.module.state_dict())}
 

@@ -1,0 +1,90 @@
+"""``TorchRecFabricStrategy`` in real processes: 2 gloo ranks, then one rank resharding.
+
+One launch (tests/scripts/fabric_two_ranks.py) runs a raw TorchRec loop, a Fabric loop and a
+Trainer run of the same model, data and seeds, resumes the Fabric checkpoint under Fabric and
+under the Trainer, and injects a bad batch and a NaN loss on rank 1;
+tests/scripts/fabric_one_rank.py loads the 2-rank checkpoint on one rank.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_torchrec import TorchRecFabricStrategy
+from lightning_torchrec.fabric.strategy import TorchRecFabricStrategy as Direct
+from tests.helpers import assert_same, load_ranks, run_script
+
+K = 6
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("fabric")
+    run_script("fabric_two_ranks.py", str(out))
+    run_script("fabric_one_rank.py", str(out))
+    return out
+
+
+def test_fabric_strategy_is_registered_and_exported() -> None:
+    assert TorchRecFabricStrategy is Direct
+    fabric = L.Fabric(strategy="torchrec", accelerator="cpu", devices=1)
+    assert isinstance(fabric.strategy, TorchRecFabricStrategy)
+    with pytest.raises(ValueError, match="batch_checks"):
+        TorchRecFabricStrategy(batch_checks="never")  # type: ignore[arg-type]
+
+
+def test_registry_name_under_launch(run: Path) -> None:
+    assert [r["name"] for r in load_ranks(run, "registry")] == ["TorchRecFabricStrategy"] * 2
+
+
+@pytest.mark.parametrize("other", ["raw", "trainer"])
+def test_fabric_loop_is_bit_equal(run: Path, other: str) -> None:
+    fabric, theirs = load_ranks(run, "fabric"), load_ranks(run, other)
+    for rank in range(2):
+        assert_same(fabric[rank]["losses"], theirs[rank]["losses"], f"rank {rank} losses")
+        assert_same(fabric[rank]["model"], theirs[rank]["model"], f"rank {rank} weights")
+
+
+@pytest.mark.parametrize("resume", ["fabric_resume", "trainer_resume"])
+def test_resume_from_fabric_checkpoint_is_bit_equal(run: Path, resume: str) -> None:
+    full, resumed = load_ranks(run, "fabric"), load_ranks(run, resume)
+    for rank in range(2):
+        assert_same(full[rank]["losses"][K:], resumed[rank]["losses"], f"rank {rank} losses")
+        assert_same(full[rank]["model"], resumed[rank]["model"], f"rank {rank} weights")
+
+
+def _whole(snapshots: list[dict], key: str) -> torch.Tensor:
+    shards = [s for snap in snapshots for s in snap["model"][key]]
+    rows = max(off[0] for off, t in shards) + 1 if shards else 0
+    out = torch.zeros(sum(t.shape[0] for _, t in shards), shards[0][1].shape[1])
+    for (r, c), t in shards:
+        out[r : r + t.shape[0], c : c + t.shape[1]] = t
+    assert rows <= out.shape[0]
+    return out
+
+
+def test_reshard_two_ranks_to_one(run: Path) -> None:
+    saved, one = load_ranks(run, "fabric_saved"), torch.load(run / "reshard_rank0.pt")
+    assert one["step"] == K
+    for key, value in one["model"].items():
+        if isinstance(value, list):  # a table: one rank now holds all of it
+            assert torch.equal(_whole([one], key), _whole(saved, key)), key
+        else:
+            assert_same(value, saved[0]["model"][key], key)
+
+
+@pytest.mark.parametrize(
+    ("fault", "error", "step"),
+    [("bad_batch", "BatchValidationError", 2), ("nan_loss", "NonFiniteLossError", 4)],
+)
+def test_one_rank_fault_raises_the_same_named_error_everywhere(
+    run: Path, fault: str, error: str, step: int
+) -> None:
+    seen = [r[fault] for r in load_ranks(run, "faults")]
+    assert [s[0] for s in seen] == [error, error]
+    assert [s[2] for s in seen] == [step, step]
+    assert "rank 1" in seen[0][1] and "rank 1" in seen[1][1] or "[1]" in seen[1][1]
