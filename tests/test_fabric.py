@@ -57,6 +57,14 @@ def test_resume_from_fabric_checkpoint_is_bit_equal(run: Path, resume: str) -> N
         assert_same(full[rank]["model"], resumed[rank]["model"], f"rank {rank} weights")
 
 
+def test_fabric_loads_a_trainer_checkpoint(run: Path) -> None:
+    trainer, fabric = load_ranks(run, "trainer"), load_ranks(run, "fabric_from_trainer")
+    for rank in range(2):
+        assert fabric[rank]["global_step"] == 12  # the Trainer's entries come back as the rest
+        assert_same(trainer[rank]["model"], fabric[rank]["model"], f"rank {rank} weights")
+        assert_same(trainer[rank]["optim"], fabric[rank]["optim"], f"rank {rank} optimizer")
+
+
 def _whole(snapshots: list[dict], key: str) -> torch.Tensor:
     shards = [s for snap in snapshots for s in snap["model"][key]]
     rows = max(off[0] for off, t in shards) + 1 if shards else 0

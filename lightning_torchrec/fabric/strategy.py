@@ -11,6 +11,7 @@ checkpoint directories (:mod:`.checkpointing`).
 
 from __future__ import annotations
 
+import warnings
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -37,6 +38,9 @@ from lightning_torchrec.sharding.tables import unwrap
 from lightning_torchrec.training.optim import DenseAndFusedOptimizer, combine_with_schedulers
 from lightning_torchrec.training.step_guard import StepGuard
 from lightning_torchrec.training.step_runner import BATCH_CHECKS, StepRunner
+
+#: Fabric's warning about a model on several devices (meta tables, CPU dense layers).
+MIXED_DEVICES_WARNING = r"The model passed to `Fabric.setup\(\)` has \d+ parameters on different"
 
 
 class TorchRecFabricStrategy(FabricCheckpointing, DDPStrategy):
@@ -119,6 +123,9 @@ class TorchRecFabricStrategy(FabricCheckpointing, DDPStrategy):
             raise ValueError(f"batch_checks must be one of {BATCH_CHECKS}, got {batch_checks!r}")
         self.sharding = ShardingConfig(sharders, plan, constraints, fused_params, planner)
         StepGuard(on_nonfinite_loss)  # refuses an unknown mode now, not at setup
+        # Fabric warns that a model with tables on the meta device "will be moved"; this
+        # strategy never moves it (DistributedModelParallel places the shards).
+        warnings.filterwarnings("ignore", message=MIXED_DEVICES_WARNING)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

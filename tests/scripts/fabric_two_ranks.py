@@ -6,6 +6,7 @@ Same model, data and seeds throughout (4 table-wise tables, row-wise Adagrad fus
 3. ``trainer``: the Trainer with ``TorchRecStrategy`` on the same per-rank batches;
 4. ``fabric_resume``: a fresh model (another seed) ``fabric.load``s step ``K`` and finishes;
 5. ``trainer_resume``: the Trainer resumes the Fabric checkpoint and finishes;
+   ``fabric_from_trainer``: Fabric loads the Trainer's final checkpoint;
 6. ``faults``: a bad batch, then a NaN loss, on rank 1 only.
 
 Each rank writes ``{phase}_rank{r}.pt`` (losses, local weights, what it raised) into argv[1].
@@ -177,7 +178,25 @@ def trainer_run(start: int = 0) -> dict[str, Any]:
     )
     ckpt = OUT / f"fabric_step{K}" if start else None
     trainer.fit(module, train_dataloaders=batches(trainer.global_rank, start), ckpt_path=ckpt)
-    return {"losses": torch.stack(losses.losses), "model": local_view(module.state_dict())}
+    if not start:
+        trainer.save_checkpoint(OUT / "trainer_end")
+    return {
+        "losses": torch.stack(losses.losses),
+        "model": local_view(module.state_dict()),
+        "optim": local_view(trainer.optimizers[0].state_dict()["state"]),
+    }
+
+
+def fabric_from_trainer(fabric: L.Fabric) -> dict[str, Any]:
+    L.seed_everything(99)
+    model = fabric.setup_module(Click())
+    optimizer = fabric.setup_optimizers(torch.optim.Adam(dense_parameters(model), lr=LR))
+    rest = fabric.load(OUT / "trainer_end", {"model": model, "optimizer": optimizer})
+    return {
+        "model": local_view(model.module.state_dict()),
+        "optim": local_view(optimizer.state_dict()["state"]),
+        "global_step": rest.get("global_step"),
+    }
 
 
 def faults(fabric: L.Fabric) -> dict[str, Any]:
@@ -222,6 +241,7 @@ def main() -> None:
     save("trainer", trainer_run())
     save("fabric_resume", fabric_loop(fabric, start=K, seed=99))
     save("trainer_resume", trainer_run(start=K))
+    save("fabric_from_trainer", fabric_from_trainer(fabric))
     save("faults", faults(fabric))
 
 
