@@ -63,11 +63,11 @@ class FabricLoop:
 
 
 def block_medians(times: list[tuple[int, float]], warmup: int) -> dict[int, float]:
-    """The median step time of every block, its first ``warmup`` steps left out."""
+    """The median step time of every counted block, its first ``warmup`` steps left out."""
     blocks: dict[int, list[float]] = {}
     for block, seconds in times:
         blocks.setdefault(block, []).append(seconds)
-    return {b: statistics.median(t[warmup:]) for b, t in blocks.items()}
+    return {b: statistics.median(t[warmup:] or t) for b, t in blocks.items() if b >= 0}
 
 
 def main() -> None:

@@ -92,7 +92,9 @@ def test_reshard_two_ranks_to_one(run: Path) -> None:
 def test_one_rank_fault_raises_the_same_named_error_everywhere(
     run: Path, fault: str, error: str, step: int
 ) -> None:
-    seen = [r[fault] for r in load_ranks(run, "faults")]
+    ranks = load_ranks(run, "faults")
+    assert [r["meta_in_optimizer"] for r in ranks] == [False, False]  # fabric.setup(model, opt)
+    seen = [r[fault] for r in ranks]
     assert [s[0] for s in seen] == [error, error]
     assert [s[2] for s in seen] == [step, step]
     assert "rank 1" in seen[0][1] and "rank 1" in seen[1][1] or "[1]" in seen[1][1]

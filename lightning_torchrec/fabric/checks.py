@@ -1,10 +1,14 @@
-"""Setup checks of ``TorchRecFabricStrategy`` that depend on Fabric's precision plugins."""
+"""Setup pieces of ``TorchRecFabricStrategy``: precision, optimizers built before sharding."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_torchrec.training.optim import dense_named_parameters
 
 
 def check_fabric_precision(precision: Any, fused_tables: bool) -> None:
@@ -31,3 +35,28 @@ def check_fabric_precision(precision: Any, fused_tables: bool) -> None:
             "inside the backward pass without it. Use precision='bf16-mixed' or '32-true', or "
             "shard tables with a non-fused compute kernel."
         )
+
+
+def adopt_sharded_parameters(optimizer: Optimizer, module: nn.Module) -> None:
+    """Points an optimizer built on the unsharded model at the sharded model's parameters.
+
+    ``fabric.setup(model, optimizer)`` gets an optimizer over ``dense_parameters(model)`` of the
+    unsharded model: it holds the unsharded tables, which sharding replaces. They are removed;
+    when any was, the dense parameters that sharding created (data-parallel tables) join the
+    first param group. Dense layers are the same objects before and after sharding.
+
+    Args:
+        optimizer: a fresh optimizer (no state yet).
+        module: the sharded module.
+    """
+    live = {id(p) for p in module.parameters()}
+    held: set[int] = set()
+    removed = False
+    for group in optimizer.param_groups:
+        kept = [p for p in group["params"] if id(p) in live]
+        removed = removed or len(kept) < len(group["params"])
+        group["params"] = kept
+        held.update(id(p) for p in kept)
+    if removed:
+        new = [p for _, p in dense_named_parameters(module) if id(p) not in held]
+        optimizer.param_groups[0]["params"].extend(new)

@@ -30,7 +30,7 @@ from typing_extensions import override
 
 from lightning_torchrec.distributed import run_collective
 from lightning_torchrec.fabric.checkpointing import FabricCheckpointing
-from lightning_torchrec.fabric.checks import check_fabric_precision
+from lightning_torchrec.fabric.checks import adopt_sharded_parameters, check_fabric_precision
 from lightning_torchrec.sharding.plan_summary import PlanSummary
 from lightning_torchrec.sharding.planning import ShardingConfig, shard_model
 from lightning_torchrec.sharding.sharders import has_fused_tables
@@ -261,7 +261,8 @@ class TorchRecFabricStrategy(FabricCheckpointing, DDPStrategy):
 
         Args:
             module: the unsharded model.
-            optimizers: optimizers over ``lightning_torchrec.dense_parameters(model)``.
+            optimizers: optimizers over ``lightning_torchrec.dense_parameters(model)`` of the
+                unsharded model (its tables are replaced by the sharded model's parameters).
             scheduler: an LR scheduler; built on a dense optimizer it drives the dense LR only
                 (build it on the optimizer ``fabric.setup`` returns to schedule both).
 
@@ -269,6 +270,8 @@ class TorchRecFabricStrategy(FabricCheckpointing, DDPStrategy):
             The DMP, the combined optimizers and the scheduler.
         """
         dmp = self.setup_module(module)
+        for optimizer in optimizers:  # built on the unsharded model: its tables are gone now
+            adopt_sharded_parameters(optimizer, dmp)
         combined = [
             combine_with_schedulers(o, unwrap(dmp), [scheduler] if scheduler else [])
             for o in optimizers

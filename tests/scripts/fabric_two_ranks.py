@@ -201,9 +201,11 @@ def fabric_from_trainer(fabric: L.Fabric) -> dict[str, Any]:
 
 def faults(fabric: L.Fabric) -> dict[str, Any]:
     L.seed_everything(SEED)
-    model = fabric.setup_module(Click())
-    optimizer = fabric.setup_optimizers(torch.optim.Adam(dense_parameters(model), lr=LR))
-    rank, seen = fabric.global_rank, {}
+    unsharded = Click()  # fabric.setup with an optimizer built before sharding
+    optimizer = torch.optim.Adam(dense_parameters(unsharded), lr=LR)
+    model, optimizer = fabric.setup(unsharded, optimizer)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    rank, seen = fabric.global_rank, {"meta_in_optimizer": any(p.is_meta for p in params)}
     for name in ("bad_batch", "nan_loss"):
         try:
             for step, batch in enumerate(batches(rank)):
