@@ -49,6 +49,12 @@ def test_fabric_loop_is_bit_equal(run: Path, other: str) -> None:
         assert_same(fabric[rank]["model"], theirs[rank]["model"], f"rank {rank} weights")
 
 
+def test_the_scheduler_drives_dense_and_fused_learning_rates(run: Path) -> None:
+    for snap in load_ranks(run, "fabric"):  # 12 steps, halved every 4: 1/8 of the start
+        assert snap["lrs"][0] == pytest.approx(1e-2 / 8)
+        assert snap["lrs"][1:] and all(lr == pytest.approx(0.2 / 8) for lr in snap["lrs"][1:])
+
+
 @pytest.mark.parametrize("resume", ["fabric_resume", "trainer_resume"])
 def test_resume_from_fabric_checkpoint_is_bit_equal(run: Path, resume: str) -> None:
     full, resumed = load_ranks(run, "fabric"), load_ranks(run, resume)

@@ -1,6 +1,7 @@
 """2-rank Fabric phases in one launch (run as a script; Lightning relaunches it per rank).
 
-Same model, data and seeds throughout (4 table-wise tables, row-wise Adagrad fused, dense Adam):
+Same model, data and seeds throughout (4 table-wise tables, row-wise Adagrad fused, dense Adam,
+both learning rates halved every ``HALVE`` steps by one ``StepLR``):
 1. ``raw``: TorchRec's own loop (DMP, ``CombinedOptimizer``), no Lightning;
 2. ``fabric``: a Fabric loop over ``TorchRecFabricStrategy``; ``fabric.save`` at step ``K``;
 3. ``trainer``: the Trainer with ``TorchRecStrategy`` on the same per-rank batches;
@@ -48,6 +49,13 @@ OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path()
 ROWS, TABLES, STEPS, K, SEED = [50] * 4, 4, 12, 6, 7
 FUSED = {"learning_rate": 0.2}
 LR = 1e-2
+HALVE = 4  # StepLR halves both learning rates (dense and fused) every HALVE steps
+
+
+def halving(optimizer: Any) -> torch.optim.lr_scheduler.StepLR:
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=HALVE, gamma=0.5)
+
+
 DATA = SyntheticClickDataset(ROWS, num_batches=2 * STEPS, batch_size=64, ids_per_feature=2, seed=3)
 
 
@@ -103,12 +111,14 @@ def raw() -> dict[str, Any]:
             ("embedding", dmp.fused_optimizer),
         ]
     )
+    scheduler = halving(opt)
     losses = []
     for batch in batches(dist.get_rank()):
-        opt.zero_grad()
+        opt.zero_grad()  # TorchRec's fused optimizer copies the scheduled LR into its kernels here
         loss, _ = dmp(batch)
         loss.backward()
         opt.step()
+        scheduler.step()
         losses.append(loss.detach())
     return {"losses": torch.stack(losses), "model": local_view(model.state_dict())}
 
@@ -120,10 +130,13 @@ def fabric_loop(fabric: L.Fabric, start: int = 0, seed: int = SEED) -> dict[str,
     torch.manual_seed(seed + 1)  # the tables' initial values
     model = fabric.setup_module(unsharded)
     optimizer = fabric.setup_optimizers(torch.optim.Adam(dense_parameters(model), lr=LR))
-    state = {"model": model, "optimizer": optimizer, "step": 0}
+    scheduler = halving(optimizer)  # on the combined optimizer: drives the fused LR too
+    # "lr_schedulers" as the Trainer names it, so the Trainer can resume this checkpoint too
+    state = {"model": model, "optimizer": optimizer, "step": 0, "lr_schedulers": []}
     if start:
         fabric.load(OUT / f"fabric_step{K}", state)
         assert state["step"] == start, state["step"]
+        scheduler.load_state_dict(state["lr_schedulers"][0])
     loader = batches(fabric.global_rank, start)
     losses = []
     for step, batch in enumerate(loader, start=start):
@@ -131,13 +144,19 @@ def fabric_loop(fabric: L.Fabric, start: int = 0, seed: int = SEED) -> dict[str,
         loss, _ = model(batch)
         fabric.backward(loss)
         optimizer.step()
+        scheduler.step()
         losses.append(loss.detach())
         if step + 1 == K and not start:
-            state["step"] = K
+            state["step"], state["lr_schedulers"] = K, [scheduler.state_dict()]
             fabric.save(OUT / f"fabric_step{K}", state)
             save("fabric_saved", {"model": local_view(model.module.state_dict())})
     fabric.strategy.finish()
-    return {"losses": torch.stack(losses), "model": local_view(model.module.state_dict())}
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    return {
+        "losses": torch.stack(losses),
+        "model": local_view(model.module.state_dict()),
+        "lrs": lrs,
+    }
 
 
 class Reseed(Callback):
@@ -163,6 +182,7 @@ def trainer_run(start: int = 0) -> dict[str, Any]:
         dense_arch_layer_sizes=WIDE["dense_sizes"],
         over_arch_layer_sizes=WIDE["over_sizes"],
         optimizer=lambda p: torch.optim.Adam(p, lr=LR),
+        lr_scheduler=halving,
         train_metrics_every_n_steps=0,
     )
     losses = Losses()
