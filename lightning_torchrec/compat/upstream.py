@@ -15,9 +15,17 @@ from typing import Any
 import torch
 from torch import nn
 
+# What DCP reads a tensor's requested part with (torch 2.0+; unchanged through 2.14).
+from torch.distributed._shard._utils import narrow_tensor_by_index
+
 # ShardedTensor has no public import path; TorchRec's sharded tables still use it in their
 # state dicts (torch 2.0+, unchanged through 2.14).
 from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint import metadata as dcp_metadata
+
+# DCP pickles these two private classes into every ``.metadata`` (torch 2.2+ through 2.14).
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
 
 # The local shape and global offset of a regular DTensor's local tensor; no public equivalent
 # (torch 2.4+; same signature through 2.14).
@@ -25,7 +33,12 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torchrec.optim.keyed import CombinedOptimizer
 
 __all__ = [
+    "DCP_METADATA_VERSIONS",
+    "DCP_STORAGE_INFO",
     "TORCH_LAYOUT_DECODER",
+    "dcp_memory_format",
+    "dcp_metadata_classes",
+    "narrow_tensor",
     "UPSTREAM_LOG_RECORDS",
     "UPSTREAM_WARNINGS",
     "filter_upstream_warnings",
@@ -47,6 +60,77 @@ __all__ = [
 #: ``lightning_torchrec.checkpoint.safe_load`` maps it to a lookup among torch's layouts instead of
 #: calling it.
 TORCH_LAYOUT_DECODER = ("torch.serialization", "_get_layout")
+
+
+#: DCP's private per-chunk file slice (``relative_path``, ``offset``, ``length``), under a
+#: public name for the checks of ``lightning_torchrec.checkpoint.dcp_metadata``.
+DCP_STORAGE_INFO: type = _StorageInfo
+
+
+#: The ``Metadata.version`` values of the DCP metadata this package reads: None (torch before
+#: 2.4 wrote none) and what the installed DCP writes ("1.0.0" from torch 2.4 through 2.14).
+DCP_METADATA_VERSIONS = (None, "1.0.0", CURRENT_DCP_VERSION)
+
+
+def dcp_metadata_classes() -> dict[tuple[str, str], type]:
+    """Every class DCP's ``FileSystemWriter`` pickles into ``.metadata``, by (module, name).
+
+    The allow-list of the restricted unpickler (``lightning_torchrec.checkpoint.unpickle``):
+    the public dataclasses of ``torch.distributed.checkpoint.metadata``, the private
+    ``_StorageInfo`` (one file slice per chunk) and ``_MEM_FORMAT_ENCODING`` (an enum standing
+    in for a memory format). The same set from torch 2.4 through 2.14.
+
+    Returns:
+        ``{(module, name): class}``.
+    """
+    classes = [
+        dcp_metadata.Metadata,
+        dcp_metadata.TensorStorageMetadata,
+        dcp_metadata.BytesStorageMetadata,
+        dcp_metadata.ChunkStorageMetadata,
+        dcp_metadata.TensorProperties,
+        dcp_metadata.StorageMeta,
+        dcp_metadata.MetadataIndex,
+        _MEM_FORMAT_ENCODING,
+        _StorageInfo,
+    ]
+    return {(c.__module__, c.__qualname__): c for c in classes}
+
+
+def dcp_memory_format(encoding: Any) -> torch.memory_format:
+    """The memory format a ``TensorProperties`` pickle stands for by its private enum member.
+
+    Args:
+        encoding: a member of DCP's ``_MEM_FORMAT_ENCODING``.
+
+    Returns:
+        The memory format.
+
+    Raises:
+        ValueError: for anything else.
+    """
+    formats = {
+        _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT: torch.contiguous_format,
+        _MEM_FORMAT_ENCODING.TORCH_CHANNELS_LAST: torch.channels_last,
+        _MEM_FORMAT_ENCODING.TORCH_PRESERVE_FORMAT: torch.preserve_format,
+    }
+    if not isinstance(encoding, _MEM_FORMAT_ENCODING):
+        raise ValueError(f"not a DCP memory format encoding: {type(encoding).__name__}")
+    return formats[encoding]
+
+
+def narrow_tensor(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
+    """The part of a stored chunk a DCP read item asks for (what ``FileSystemReader`` does).
+
+    Args:
+        tensor: the stored chunk.
+        offsets: the read item's offsets into it.
+        lengths: the read item's lengths.
+
+    Returns:
+        A view.
+    """
+    return narrow_tensor_by_index(tensor, offsets, lengths)
 
 
 def local_shape_and_global_offset(
