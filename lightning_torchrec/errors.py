@@ -59,3 +59,15 @@ class CheckpointWriteError(OSError):
 
 class ShardingConflictError(ValueError):
     """A model sharded before is asked to shard differently (another plan, constraints, ...)."""
+
+
+class CheckpointSignatureError(UnsafeCheckpointError):
+    """A checkpoint is unsigned or its manifest's signature does not match the key; names it."""
+
+
+class CheckpointLimitError(ValueError):
+    """A checkpoint file is larger, or expands to more, than the reading limits allow; names it.
+
+    The limits (``lightning_torchrec.checkpoint.limits.CheckpointLimits``) bound what a
+    stranger's file can cost; raise them for a checkpoint you trust that is legitimately larger.
+    """

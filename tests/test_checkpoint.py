@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from lightning_torchrec.checkpoint.consolidate import (
     main,
     read_plain,
 )
+from lightning_torchrec.checkpoint.manifest import MANIFEST_FILE, file_checksum
 from lightning_torchrec.errors import CheckpointMismatchError
 from lightning_torchrec.training.optim import optimizer_steps, set_optimizer_steps
 from tests.scripts.factory import adam, cpu_trainer, table_wise, tiny_data, tiny_dlrm
@@ -133,6 +135,9 @@ def test_metadata_carrying_code_is_refused(fitted, tmp_path: Path) -> None:
     meta = torch.load(bad / META_FILE, weights_only=True)
     meta["payload"] = print  # a pickled callable: loading it could run code
     torch.save(meta, bad / META_FILE)
+    written = json.loads((bad / MANIFEST_FILE).read_text())  # checksums that match, as an
+    written["files"][META_FILE] = file_checksum(bad / META_FILE)  # attacker would write them
+    (bad / MANIFEST_FILE).write_text(json.dumps(written))
     with pytest.raises(pickle.UnpicklingError, match="Refusing to load .*meta.pt"):
         trainer(tmp_path).validate(dlrm(), datamodule=data(), ckpt_path=bad)
 
@@ -149,7 +154,7 @@ def test_interrupted_save_keeps_the_previous_last_checkpoint(tmp_path: Path, mon
     real_save = torch.save
 
     def dying_save(obj: Any, f: Any, *a: Any, **k: Any) -> None:
-        if str(f).endswith(META_FILE):
+        if str(getattr(f, "name", f)).endswith(META_FILE):
             raise KeyboardInterrupt("killed while writing")
         real_save(obj, f, *a, **k)
 
@@ -157,7 +162,7 @@ def test_interrupted_save_keeps_the_previous_last_checkpoint(tmp_path: Path, mon
     with pytest.raises(KeyboardInterrupt):
         t.save_checkpoint(last)
     monkeypatch.undo()
-    partial = tmp_path / "ck" / ".last.ckpt.partial"
+    (partial,) = (tmp_path / "ck").glob(".last.ckpt.partial-*")  # a fresh name per save
     assert partial.is_dir() and (partial / ".metadata").is_file()
     assert not is_sharded_checkpoint(partial)
     assert is_sharded_checkpoint(last)

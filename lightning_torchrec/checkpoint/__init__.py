@@ -52,8 +52,11 @@ from lightning_torchrec.checkpoint.common import (
     remove_checkpoint,
     written_by_this_package,
 )
+from lightning_torchrec.checkpoint.confine import confine_checkpoint_paths
+from lightning_torchrec.checkpoint.limits import CheckpointLimits
 from lightning_torchrec.checkpoint.load import check_compatible, load_sharded
 from lightning_torchrec.checkpoint.save import check_finite, save_sharded
+from lightning_torchrec.checkpoint.signing import KEY_FILE_ENV, read_key_file
 from lightning_torchrec.checkpoint.unsharded import (
     fill_plain,
     iter_plain_tensors,
@@ -64,11 +67,14 @@ from lightning_torchrec.checkpoint.unsharded import (
 
 __all__ = [
     "FORMAT_VERSION",
+    "KEY_FILE_ENV",
+    "CheckpointLimits",
     "META_FILE",
     "MODEL_KEY",
     "PACKAGE_KEY",
     "check_compatible",
     "check_finite",
+    "confine_checkpoint_paths",
     "fill_plain",
     "is_sharded_checkpoint",
     "iter_plain_tensors",
@@ -77,6 +83,7 @@ __all__ = [
     "load_unsharded",
     "meta_tensors",
     "plain_tensor_index",
+    "read_key_file",
     "remove_checkpoint",
     "save_sharded",
     "written_by_this_package",

@@ -16,19 +16,22 @@ from typing import Any
 from torch.distributed.checkpoint import CheckpointException
 from torchrec.optim.keyed import KeyedOptimizer
 
-from lightning_torchrec.checkpoint.files import (
+from lightning_torchrec.checkpoint.files import looks_complete, recover_replaced
+from lightning_torchrec.checkpoint.folder import UNVERIFIED, CheckpointFolder
+from lightning_torchrec.checkpoint.limits import CheckpointLimits
+from lightning_torchrec.checkpoint.names import (
     DCP_METADATA,
-    WRITER,
-    looks_complete,
-    read_manifest,
-    recover_replaced,
-    remove_path,
+    META_FILE,
+    PACKAGE_KEY,
+    param_groups_file,
 )
-from lightning_torchrec.checkpoint.safe_load import (
-    load_torch_file,
-    pickled_strings,
-    single_file_checkpoint_kind,
+from lightning_torchrec.checkpoint.ownership import (
+    foreign_entries,
+    is_replaceable,
+    owned_files,
+    remove_replaced,
 )
+from lightning_torchrec.checkpoint.torch_files import single_file_checkpoint_kind
 from lightning_torchrec.distributed import agree, peer_failure, rank_and_world_size, run_collective
 from lightning_torchrec.errors import (
     CheckpointCorruptError,
@@ -39,27 +42,23 @@ from lightning_torchrec.errors import (
     UnsafeCheckpointError,
 )
 
-META_FILE = "meta.pt"
-
-
-#: 1: no checksum manifest; 2: ``checksums.json``.
+#: 1: no checksum manifest; 2: ``checksums.json`` (and, since this package marks ownership, a
+#: per-save token in it and in ``meta.pt``; signed with SHA-256 entries when a key is set).
 FORMAT_VERSION = 2
 
 
 MODEL_KEY = "state_dict"
 
 
-#: The ``meta.pt`` entry that marks a checkpoint written by this package.
-PACKAGE_KEY = "lightning_torchrec"
-
-
-_PARTIAL_SUFFIX = ".partial"
-
-
-UNVERIFIED = (
-    "{path} has no checksum manifest (written before lightning_torchrec checkpoint format 2): "
-    "its files cannot be verified, so damage would go unnoticed. Save it again to add one."
-)
+__all__ = [
+    "DCP_METADATA",
+    "FORMAT_VERSION",
+    "META_FILE",
+    "MODEL_KEY",
+    "PACKAGE_KEY",
+    "UNVERIFIED",
+    "param_groups_file",
+]
 
 
 #: For peer-failure messages: the checkpoint code does not know the strategy's timeout value.
@@ -75,10 +74,6 @@ def this_rank() -> int:
     return rank_and_world_size()[0]
 
 
-def _world() -> int:
-    return rank_and_world_size()[1]
-
-
 def optimizer_key(i: int) -> str:
     """The key of the ``i``-th optimizer in a checkpoint's DCP state.
 
@@ -89,31 +84,6 @@ def optimizer_key(i: int) -> str:
         ``"optimizer_{i}"``.
     """
     return f"optimizer_{i}"
-
-
-def param_groups_file(path: Path, rank: int) -> Path:
-    """The file of ``rank``'s optimizer hyper-parameters inside checkpoint ``path``.
-
-    Args:
-        path: the checkpoint directory.
-        rank: the rank.
-
-    Returns:
-        ``path / "param_groups.rank{rank}.pt"``.
-    """
-    return path / f"param_groups.rank{rank}.pt"
-
-
-def partial_dir(path: Path) -> Path:
-    """The hidden sibling directory a save of ``path`` writes into before it is renamed.
-
-    Args:
-        path: the checkpoint directory.
-
-    Returns:
-        ``.{name}.partial`` beside it.
-    """
-    return path.parent / f".{path.name}{_PARTIAL_SUFFIX}"
 
 
 def checkpoint_collective(fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -151,7 +121,11 @@ def write_error(err: BaseException, file: Path) -> BaseException:
     where = f"writing {file} failed on rank {this_rank()}"
     keep = "The previous checkpoint of that name is intact."
     if isinstance(err, OSError) and err.errno is not None:
-        full = " (disk full)" if err.errno == errno.ENOSPC else ""
+        full = {
+            errno.ENOSPC: " (disk full)",
+            errno.EFBIG: " (file too large: a file-size limit, e.g. ulimit -f)",
+            errno.EDQUOT: " (disk quota exceeded)",
+        }.get(err.errno, "")
         return CheckpointWriteError(
             err.errno, f"{where}{full}: {err.strerror or err}. {keep} Free space or save elsewhere."
         )
@@ -233,38 +207,29 @@ def is_sharded_checkpoint(path: str | Path) -> bool:
 
 
 def written_by_this_package(path: str | Path) -> bool:
-    """Whether a directory is a checkpoint this package wrote (complete or not).
+    """Whether a directory is a checkpoint this package wrote and holds nothing else.
 
-    Recognised by its manifest or by the ``lightning_torchrec`` entry of its ``meta.pt`` (read
-    without unpickling).
+    Proven, not claimed: see :func:`lightning_torchrec.checkpoint.ownership.owned_files` (a
+    manifest naming the package is not enough on its own).
 
     Args:
         path: a directory.
 
     Returns:
-        True for a checkpoint directory of this package.
+        True for a non-empty checkpoint directory of this package holding only its files.
     """
-    p = Path(path)
-    try:
-        manifest = read_manifest(p)
-    except CheckpointCorruptError:
-        manifest = None
-    if manifest is not None and manifest.get("writer") == WRITER:
-        return True
-    strings = pickled_strings(p / META_FILE) if (p / META_FILE).is_file() else None
-    return strings is not None and PACKAGE_KEY in strings
+    return bool(owned_files(path))
 
 
 def check_replaceable(path: Path) -> None:
     """Refuses to replace anything but a checkpoint (or an empty directory) at ``path``."""
-    if not (path.exists() or path.is_symlink()):
+    if is_replaceable(path):
         return
     if path.is_dir():
-        if written_by_this_package(path) or not any(path.iterdir()):
-            return
-        what = "a directory that is not a checkpoint written by lightning_torchrec"
-    elif path.is_file() and single_file_checkpoint_kind(path) == "lightning":
-        return  # a Lightning single-file checkpoint (e.g. from DDP) of the same name
+        what = (
+            "a directory holding files that lightning_torchrec did not write "
+            f"({foreign_entries(path)})"
+        )
     else:
         what = "a file that is not a checkpoint"
     raise FileExistsError(
@@ -326,13 +291,22 @@ def hyper_params(optimizer: KeyedOptimizer) -> list[dict[str, Any]]:
     return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
 
-def load_meta(path: str | Path, weights_only: bool = True) -> dict[str, Any]:
-    """Reads Lightning's metadata of a checkpoint, refusing code unless told otherwise.
+def load_meta(
+    path: str | Path,
+    weights_only: bool = True,
+    *,
+    key: bytes | str | None = None,
+    limits: CheckpointLimits | None = None,
+) -> dict[str, Any]:
+    """Reads Lightning's metadata of a checkpoint, verified first, refusing code unless told.
 
     Args:
         path: the checkpoint directory.
         weights_only: ``torch.load(weights_only=...)``; keep True for checkpoints you did not
             write yourself.
+        key: the key the checkpoint must be signed with (see
+            :func:`~lightning_torchrec.checkpoint.signing.resolve_key`).
+        limits: the reading limits.
 
     Returns:
         Lightning's checkpoint dict without model and optimizer states.
@@ -342,17 +316,18 @@ def load_meta(path: str | Path, weights_only: bool = True) -> dict[str, Any]:
             containers (e.g. a pickled function), naming the file (also a
             ``pickle.UnpicklingError``).
         CheckpointCorruptError: if the file is missing, truncated or damaged, naming it.
+        CheckpointLimitError: if it is larger, or expands further, than the limits.
     """
-    meta = load_torch_file(Path(path) / META_FILE, weights_only=weights_only)
-    if not isinstance(meta, dict):
-        raise CheckpointCorruptError(f"{Path(path) / META_FILE} does not hold a dict")
-    return meta
+    return CheckpointFolder(path, key=key, limits=limits).meta(weights_only)
 
 
 def remove_checkpoint(path: str | Path) -> None:
-    """Deletes a checkpoint directory (or file) whole.
+    """Deletes a checkpoint of this package (directory or Lightning file), nothing else.
+
+    A directory holding anything this package did not write is kept, with a warning
+    (:func:`lightning_torchrec.checkpoint.ownership.remove_replaced`).
 
     Args:
         path: the checkpoint.
     """
-    remove_path(path)
+    remove_replaced(path)

@@ -19,27 +19,26 @@ from torchrec.optim.keyed import KeyedOptimizer
 
 from lightning_torchrec.checkpoint.common import (
     MODEL_KEY,
-    PACKAGE_KEY,
-    UNVERIFIED,
     agree_checkpoint_error,
     agree_dcp_failure,
     agree_first_error,
     check_is_checkpoint,
-    load_meta,
     optimizer_key,
-    param_groups_file,
     this_rank,
 )
-from lightning_torchrec.checkpoint.files import read_manifest, verify_files
-from lightning_torchrec.checkpoint.safe_load import (
-    SafeFileSystemReader,
-    SafeLoadPlanner,
-    load_torch_file,
-    read_dcp_metadata,
+from lightning_torchrec.checkpoint.folder import UNVERIFIED, CheckpointFolder, read_dcp_metadata
+from lightning_torchrec.checkpoint.limits import CheckpointLimits
+from lightning_torchrec.checkpoint.names import (
+    DCP_METADATA,
+    META_FILE,
+    PACKAGE_KEY,
+    param_groups_file,
 )
+from lightning_torchrec.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
 from lightning_torchrec.distributed import rank_and_world_size
 from lightning_torchrec.errors import (
     CheckpointCorruptError,
+    CheckpointLimitError,
     CheckpointMismatchError,
     UnsafeCheckpointError,
 )
@@ -120,37 +119,75 @@ def check_compatible(
     raise CheckpointMismatchError("\n".join(lines))
 
 
-def _saved_world_size(path: Path, meta: dict[str, Any], manifest: dict[str, Any] | None) -> int:
+def _saved_world_size(folder: CheckpointFolder, meta: dict[str, Any]) -> int:
     info = meta.get(PACKAGE_KEY)
-    if isinstance(info, dict) and isinstance(info.get("world_size"), int):
+    if isinstance(info, dict) and type(info.get("world_size")) is int:
         return info["world_size"]
+    manifest = folder.manifest
     if manifest is not None and isinstance(manifest.get("world_size"), int):
         return manifest["world_size"]
-    return int(load_torch_file(param_groups_file(path, 0)).get("world_size", 1))
+    groups = folder.torch_file(param_groups_file(folder.path, 0).name)
+    world = groups.get("world_size", 1) if isinstance(groups, dict) else 1
+    return world if type(world) is int else 1
 
 
-def _read_param_groups(path: Path, rank: int, saved_world: int) -> dict[str, Any]:
+def _read_param_groups(folder: CheckpointFolder, rank: int, saved_world: int) -> dict[str, Any]:
     """This rank's saved hyper-parameters; rank 0's only for a rank the saving run lacked."""
-    own = param_groups_file(path, rank)
+    own = param_groups_file(folder.path, rank)
     if rank >= saved_world:
-        own = param_groups_file(path, 0)  # more ranks than saved: hyper-parameters are alike
-    elif not own.is_file():
+        own = param_groups_file(folder.path, 0)  # more ranks than saved: hyper-parameters alike
+    elif not (own.is_file() or own.is_symlink()):
         raise CheckpointCorruptError(
             f"{own} is missing: the checkpoint was written by {saved_world} ranks and rank "
             f"{rank} wrote its optimizer hyper-parameters and step counters there. The "
             "checkpoint is incomplete (copied in part?); restore the file or use another "
             "checkpoint."
         )
-    saved = load_torch_file(own)
-    if not isinstance(saved, dict) or "param_groups" not in saved:
+    saved = folder.torch_file(own.name)
+    if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list):
         raise CheckpointCorruptError(f"{own} does not hold optimizer param groups")
+    steps = saved.get("optimizer_steps", [])
+    if not isinstance(steps, list) or not all(
+        isinstance(s, list) and all(type(v) is int and v >= 0 for v in s) for s in steps
+    ):
+        raise CheckpointCorruptError(f"{own}: its optimizer step counters are not counts")
+    for groups in saved["param_groups"]:
+        if not isinstance(groups, list) or not all(
+            isinstance(g, dict) and all(isinstance(k, str) for k in g) for g in groups
+        ):
+            raise CheckpointCorruptError(f"{own}: its param groups are not lists of dicts")
     return saved
 
 
-def _verify_share(path: Path, manifest: dict[str, Any] | None, rank: int, world: int) -> None:
-    if manifest is not None:
-        names = sorted(manifest["files"])
-        verify_files(path, manifest, names[rank::world])
+def _same_kind(saved: Any, current: Any) -> bool:
+    numbers = (int, float)
+    if isinstance(current, numbers) or isinstance(saved, numbers):
+        return isinstance(current, numbers) and isinstance(saved, numbers)
+    if isinstance(current, tuple | list) and isinstance(saved, tuple | list):
+        return len(saved) == len(current) and all(map(_same_kind, saved, current))
+    return type(saved) is type(current)
+
+
+def _check_hyper_params(
+    saved: dict[str, Any], optimizers: list[KeyedOptimizer], where: Path
+) -> None:
+    """Refuses saved hyper-parameters whose kinds differ from the optimizers' (before loading)."""
+    for index, opt in enumerate(optimizers[: len(saved["param_groups"])]):
+        for values in saved["param_groups"][index]:
+            for group in opt.param_groups:
+                wrong = [k for k, v in values.items() if k in group and not _same_kind(v, group[k])]
+                if wrong:
+                    raise CheckpointCorruptError(
+                        f"{where}: the saved hyper-parameters {sorted(wrong)} of optimizer "
+                        f"{index} are not of the kind the optimizer holds (e.g. a string for a "
+                        "learning rate)"
+                    )
+
+
+def _verify_share(folder: CheckpointFolder, rank: int, world: int) -> None:
+    # .metadata and meta.pt were verified by every rank as they were read.
+    names = [n for n in folder.names() if n not in (DCP_METADATA, META_FILE)]
+    folder.verify(names[rank::world])
 
 
 def load_sharded(
@@ -160,12 +197,16 @@ def load_sharded(
     *,
     weights_only: bool = True,
     load_optimizer_states: bool = True,
+    key: bytes | str | None = None,
+    limits: CheckpointLimits | None = None,
 ) -> dict[str, Any]:
     """Loads a checkpoint written by :func:`save_sharded` in place, resharding. Collective.
 
     Before any tensor is read, every rank checks a share of the files against the checksums
-    written with them, reads the metadata safely and checks the model and optimizer targets;
-    every verdict is agreed, so every rank raises the same error.
+    written with them, reads the metadata safely (each rank verifies the bytes it parses) and
+    checks the model and optimizer targets; every verdict is agreed, so every rank raises the
+    same error. No file outside the checkpoint folder, unlisted in its manifest, or not a
+    regular file is opened (:class:`~lightning_torchrec.checkpoint.folder.CheckpointFolder`).
 
     Args:
         path: the checkpoint directory.
@@ -176,6 +217,10 @@ def load_sharded(
         load_optimizer_states: False loads the weights, the hyper-parameters and step counters
             but leaves the optimizer *state* as it is (e.g. after a plan change that reshapes the
             fused optimizer's state).
+        key: refuse checkpoints not signed with this HMAC key (default: see
+            :func:`~lightning_torchrec.checkpoint.signing.resolve_key`).
+        limits: the reading limits (:class:`~lightning_torchrec.checkpoint.limits.
+            CheckpointLimits`).
 
     Returns:
         Lightning's metadata (the checkpoint dict without model and optimizer states).
@@ -186,30 +231,34 @@ def load_sharded(
             (on any rank), or ``path`` is a single-file checkpoint of another strategy.
         CheckpointCorruptError: if a file is damaged, truncated or missing, naming it.
         UnsafeCheckpointError: if a file would run code when loaded, naming it (for ``meta.pt``
-            only when ``weights_only`` is True).
+            only when ``weights_only`` is True), or reaches outside its folder.
+        CheckpointSignatureError: with a key, if the checkpoint is not signed with it.
+        CheckpointLimitError: if a file is larger, or expands further, than the limits.
         PeerFailureError: if another rank died during the load.
     """
     path = Path(path)
     rank, world = rank_and_world_size()
     error: BaseException | None = None
-    manifest = None
-    try:  # the metadata files, read without running code
+    folder = None
+    try:  # the metadata files, verified as they are read, read without running code
         check_is_checkpoint(path)
-        manifest = read_manifest(path)
-        meta = load_meta(path, weights_only=weights_only)
-        metadata = read_dcp_metadata(path)
+        folder = CheckpointFolder(path, key=key, limits=limits)
+        meta = folder.meta(weights_only)
+        metadata = folder.metadata()
     except Exception as err:  # noqa: BLE001 - agreed below
         error = err
     damaged = None
     try:  # this rank's share of the checksums
-        if error is None or isinstance(error, CheckpointCorruptError):
-            _verify_share(path, manifest, rank, world)
+        if folder is not None and (error is None or isinstance(error, CheckpointCorruptError)):
+            _verify_share(folder, rank, world)
     except Exception as err:  # noqa: BLE001 - agreed below
         damaged = err
-    # One collective; a file that would run code is named first, then checksum failures.
-    unsafe = error if isinstance(error, UnsafeCheckpointError) else None
+    # One collective; a file that would run code (or cost without bound) is named first, then
+    # checksum failures.
+    unsafe = error if isinstance(error, UnsafeCheckpointError | CheckpointLimitError) else None
     agree_first_error(unsafe, damaged, error)
-    if manifest is None and rank == 0:
+    assert folder is not None
+    if folder.manifest is None and rank == 0:
         warnings.warn(UNVERIFIED.format(path=path), UserWarning, stacklevel=2)
 
     model_sd = module.state_dict()
@@ -217,7 +266,8 @@ def load_sharded(
     try:
         groups = None
         if optimizers:
-            groups = _read_param_groups(path, rank, _saved_world_size(path, meta, manifest))
+            groups = _read_param_groups(folder, rank, _saved_world_size(folder, meta))
+            _check_hyper_params(groups, optimizers, path)
         check_compatible(path, state, "model", metadata=metadata)
         for i, opt in enumerate(optimizers if load_optimizer_states else []):
             init_optimizer_state(opt)
@@ -242,7 +292,7 @@ def load_sharded(
     try:
         dcp.load(
             state,
-            storage_reader=SafeFileSystemReader(path, metadata),
+            storage_reader=SafeFileSystemReader(path, metadata, folder),
             planner=SafeLoadPlanner(flatten_sharded_tensors=False),
         )
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - agreed below

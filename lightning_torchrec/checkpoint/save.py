@@ -17,31 +17,27 @@ from torchrec.optim.keyed import KeyedOptimizer
 
 from lightning_torchrec.checkpoint.common import (
     FORMAT_VERSION,
-    META_FILE,
     MODEL_KEY,
-    PACKAGE_KEY,
     agree_checkpoint_error,
     agree_dcp_failure,
     check_replaceable,
     checkpoint_collective,
     hyper_params,
     optimizer_key,
-    param_groups_file,
-    partial_dir,
     this_rank,
     write_error,
 )
 from lightning_torchrec.checkpoint.files import (
-    MANIFEST_FILE,
-    file_checksum,
     fsync_dir,
-    fsync_file,
     recover_replaced,
-    remove_path,
     replace_path,
-    write_manifest,
+    write_torch_file,
 )
-from lightning_torchrec.distributed import is_distributed, rank_and_world_size
+from lightning_torchrec.checkpoint.manifest import MANIFEST_FILE, file_checksum, write_manifest
+from lightning_torchrec.checkpoint.names import META_FILE, PACKAGE_KEY, param_groups_file
+from lightning_torchrec.checkpoint.ownership import forget_partial, make_partial, remove_partial
+from lightning_torchrec.checkpoint.signing import resolve_key
+from lightning_torchrec.distributed import broadcast_from_rank0, is_distributed, rank_and_world_size
 from lightning_torchrec.errors import (
     CheckpointWriteError,
     NonFiniteCheckpointError,
@@ -86,25 +82,29 @@ def save_sharded(
     *,
     model_state: dict[str, Any] | None = None,
     check_finite_values: bool = True,
+    key: bytes | str | None = None,
 ) -> None:
     """Saves a module's (sharded) state, optimizer states and Lightning metadata. Collective.
 
     Args:
-        path: the checkpoint directory. An existing checkpoint of this package (or a Lightning
-            single-file checkpoint, or an empty directory) there is replaced once the new one is
-            complete; anything else there is refused.
+        path: the checkpoint directory. An existing checkpoint of this package holding nothing
+            else (or a Lightning single-file checkpoint, or an empty directory) there is
+            replaced once the new one is complete; anything else there is refused.
         module: the (sharded) module; ``module.state_dict()`` holds ShardedTensors for tables.
         optimizers: keyed optimizers (state keyed by parameter name).
         metadata: the rest of Lightning's checkpoint dict; rank 0 writes it.
         model_state: ``module.state_dict()`` when the caller has built it already.
         check_finite_values: refuse NaN/inf weights and optimizer state (:func:`check_finite`).
+        key: sign the manifest with this HMAC key, with SHA-256 entries (default: see
+            :func:`~lightning_torchrec.checkpoint.signing.resolve_key`).
 
     Raises:
         NonFiniteCheckpointError: see :func:`check_finite`; nothing is written.
         FileExistsError: if ``path`` holds something that is not a checkpoint; nothing is
             written.
-        CheckpointWriteError: if writing failed on some rank (e.g. disk full: errno ``ENOSPC``),
-            naming the file; the previous checkpoint of that name is intact.
+        CheckpointWriteError: if writing failed on some rank, with the OS's errno on every rank
+            (``ENOSPC`` disk full, ``EFBIG`` past a file-size limit), naming the file and the
+            rank; the previous checkpoint of that name is intact.
         PeerFailureError: if another rank died during the save.
     """
     path = Path(path)
@@ -115,23 +115,27 @@ def save_sharded(
         state[optimizer_key(i)] = opt.state_dict()["state"]
     if check_finite_values:
         check_finite(state, metadata.get("global_step"))
-    tmp = partial_dir(path)
+    signing = resolve_key(key)
     error: BaseException | None = None
+    made: tuple[Path, str] | None = None
     if rank == 0:
         try:
             recover_replaced(path)
             check_replaceable(path)
-            remove_path(tmp)
-            tmp.mkdir(parents=True)
+            made = make_partial(path)
         except Exception as err:  # noqa: BLE001 - agreed below
-            error = write_error(err, tmp)
+            error = write_error(err, path)
     agree_checkpoint_error(error)  # nothing is written before every rank knows the target is fine
+    tmp_name, token = checkpoint_collective(broadcast_from_rank0, lambda: (str(made[0]), made[1]))
+    tmp = Path(tmp_name)
     try:
-        _write(path, tmp, state, optimizers, metadata, rank, world)
+        _write(path, tmp, state, optimizers, metadata, rank, world, token, signing)
     except (CheckpointWriteError, FileExistsError, UnsafeCheckpointError, RankFailureError):
         if rank == 0:
-            remove_path(tmp)  # agreed: no rank writes any more; frees the space
+            remove_partial(tmp)  # agreed: no rank writes any more; frees the space
         raise
+    if rank == 0:
+        forget_partial(tmp)
 
 
 def _write(
@@ -142,6 +146,8 @@ def _write(
     metadata: dict[str, Any],
     rank: int,
     world: int,
+    token: str,
+    key: bytes | None,
 ) -> None:
     try:
         dcp.save(state, storage_writer=FileSystemWriter(str(tmp)))
@@ -153,7 +159,7 @@ def _write(
     own = param_groups_file(tmp, rank)
     sums: dict[str, dict[str, Any]] = {}
     try:
-        torch.save(
+        write_torch_file(
             {
                 "world_size": world,
                 "param_groups": [hyper_params(o) for o in optimizers],
@@ -161,9 +167,8 @@ def _write(
             },
             own,
         )
-        fsync_file(own)
         for file in [*sorted(tmp.glob(f"__{rank}_*.distcp")), own]:
-            sums[file.name] = file_checksum(file)
+            sums[file.name] = file_checksum(file, strong=key is not None)
     except Exception as err:  # noqa: BLE001 - agreed below
         error = write_error(err, own)
     agree_checkpoint_error(error)
@@ -177,15 +182,24 @@ def _write(
         current = tmp / META_FILE
         try:
             meta = dict(metadata)
-            meta[PACKAGE_KEY] = {"format_version": FORMAT_VERSION, "world_size": world}
-            torch.save(meta, current)
-            fsync_file(current)
+            meta[PACKAGE_KEY] = {
+                "format_version": FORMAT_VERSION,
+                "world_size": world,
+                "save_token": token,
+            }
+            write_torch_file(meta, current)
             files = {name: s for rank_sums in gathered for name, s in rank_sums.items()}
             for file in sorted(tmp.iterdir()):  # .metadata, meta.pt, anything DCP added
                 if file.is_file() and file.name not in files:
-                    files[file.name] = file_checksum(file)
+                    files[file.name] = file_checksum(file, strong=key is not None)
+            unsigned = sorted(n for n, s in files.items() if key is not None and "sha256" not in s)
+            if unsigned:
+                raise CheckpointWriteError(
+                    f"cannot sign {path}: ranks without the checkpoint key wrote {unsigned[:5]}; "
+                    "give every rank the same key"
+                )
             current = tmp / MANIFEST_FILE
-            write_manifest(tmp, files, FORMAT_VERSION, world)
+            write_manifest(tmp, files, FORMAT_VERSION, world, token=token, key=key)
             fsync_dir(tmp)
             current = path
             replace_path(tmp, path)

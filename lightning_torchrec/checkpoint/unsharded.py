@@ -20,29 +20,55 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from lightning_torchrec.checkpoint.common import (
-    MODEL_KEY,
-    UNVERIFIED,
-    check_is_checkpoint,
-    dcp_error,
-    load_meta,
-)
-from lightning_torchrec.checkpoint.files import read_manifest, verify_files
-from lightning_torchrec.checkpoint.safe_load import (
-    SafeFileSystemReader,
-    SafeLoadPlanner,
-    read_dcp_metadata,
-)
+from lightning_torchrec.checkpoint.common import MODEL_KEY, check_is_checkpoint, dcp_error
+from lightning_torchrec.checkpoint.folder import UNVERIFIED, CheckpointFolder
+from lightning_torchrec.checkpoint.limits import CheckpointLimits
+from lightning_torchrec.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
 from lightning_torchrec.compat.upstream import ShardedTensor
 from lightning_torchrec.errors import (
     CheckpointCorruptError,
+    CheckpointLimitError,
     CheckpointMismatchError,
+    UnsafeCheckpointError,
 )
 from lightning_torchrec.sharding.layout import copy_into_shards, global_shape
 
 
+def _open(
+    checkpoint: Path, verify: bool, key: bytes | str | None, limits: CheckpointLimits | None
+) -> tuple[CheckpointFolder, dict[str, TensorStorageMetadata], Any]:
+    """The folder, its model tensors and metadata; every file verified first when ``verify``."""
+    check_is_checkpoint(checkpoint)
+    folder = CheckpointFolder(checkpoint, key=key, limits=limits)
+    damaged = None
+    metadata = None
+    try:  # a file that would run code is named first, then checksum failures
+        metadata = folder.metadata()
+    except (UnsafeCheckpointError, CheckpointLimitError):
+        raise
+    except CheckpointCorruptError as err:
+        damaged = err
+    if verify:
+        if folder.unverified():
+            warnings.warn(UNVERIFIED.format(path=checkpoint), UserWarning, stacklevel=3)
+        folder.verify()
+    if damaged is not None:
+        raise damaged
+    prefix = MODEL_KEY + "."
+    entries = {
+        k[len(prefix) :]: v
+        for k, v in sorted(metadata.state_dict_metadata.items())
+        if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)
+    }
+    return folder, entries, metadata
+
+
 def plain_tensor_index(
-    checkpoint: str | Path, verify: bool = True
+    checkpoint: str | Path,
+    verify: bool = True,
+    *,
+    key: bytes | str | None = None,
+    limits: CheckpointLimits | None = None,
 ) -> dict[str, TensorStorageMetadata]:
     """The model tensors of a sharded checkpoint: state-dict key to DCP's shape and dtype.
 
@@ -51,7 +77,11 @@ def plain_tensor_index(
     Args:
         checkpoint: a sharded checkpoint directory.
         verify: check every file against the checksum manifest first (a checkpoint without one
-            warns that it cannot be verified).
+            warns that it cannot be verified; format 2 without one is refused). ``.metadata`` is
+            verified in any case before it is parsed.
+        key: the key the checkpoint must be signed with (see
+            :func:`~lightning_torchrec.checkpoint.signing.resolve_key`).
+        limits: the reading limits.
 
     Returns:
         ``{state-dict key: TensorStorageMetadata}`` in key order.
@@ -61,41 +91,29 @@ def plain_tensor_index(
         CheckpointCorruptError: if a file is damaged, truncated or missing, naming it.
         UnsafeCheckpointError: if the DCP metadata would run code, naming the global.
         CheckpointMismatchError: if ``checkpoint`` is a single-file checkpoint.
+        CheckpointLimitError: if a file is larger, or expands further, than the limits.
     """
-    checkpoint = Path(checkpoint)
-    check_is_checkpoint(checkpoint)
-    damaged = None
-    try:  # a file that would run code is named first, then checksum failures
-        stored = read_dcp_metadata(checkpoint).state_dict_metadata
-    except CheckpointCorruptError as err:
-        damaged = err
-    if verify:
-        manifest = read_manifest(checkpoint)
-        if manifest is None:
-            warnings.warn(UNVERIFIED.format(path=checkpoint), UserWarning, stacklevel=2)
-        else:
-            verify_files(checkpoint, manifest, sorted(manifest["files"]))
-    if damaged is not None:
-        raise damaged
-    prefix = MODEL_KEY + "."
-    return {
-        k[len(prefix) :]: v
-        for k, v in sorted(stored.items())
-        if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)
-    }
+    return _open(Path(checkpoint), verify, key, limits)[1]
 
 
 def iter_plain_tensors(
-    checkpoint: str | Path, verify: bool = True
+    checkpoint: str | Path,
+    verify: bool = True,
+    *,
+    key: bytes | str | None = None,
+    limits: CheckpointLimits | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields the unsharded model's tensors one at a time from a sharded checkpoint.
 
     Runs in one process without a process group; only the tensor being yielded is in memory.
-    Files are checked against their checksums first and nothing is unpickled unsafely.
+    Files are checked against their checksums first and nothing is unpickled unsafely; every
+    tensor is covered exactly once by its chunks, so no element is left uninitialised.
 
     Args:
         checkpoint: a sharded checkpoint directory.
         verify: check the checksums first (see :func:`plain_tensor_index`).
+        key: the key the checkpoint must be signed with.
+        limits: the reading limits.
 
     Yields:
         ``(state-dict key, plain tensor)`` pairs in key order.
@@ -106,23 +124,23 @@ def iter_plain_tensors(
         UnsafeCheckpointError: if the DCP metadata would run code, naming the global.
     """
     checkpoint = Path(checkpoint)
-    entries = plain_tensor_index(checkpoint, verify=verify)
-    reader = SafeFileSystemReader(checkpoint, read_dcp_metadata(checkpoint))
-    for key, meta in entries.items():
-        tensor = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+    folder, entries, metadata = _open(checkpoint, verify, key, limits)
+    reader = SafeFileSystemReader(checkpoint, metadata, folder)
+    for name, meta in entries.items():
+        tensor = torch.zeros(tuple(meta.size), dtype=meta.properties.dtype)
         try:
             with warnings.catch_warnings():
                 # DCP warns on every single-process load, even when asked for one (no_dist=True).
                 warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
                 dcp.load(
-                    {MODEL_KEY: {key: tensor}},
+                    {MODEL_KEY: {name: tensor}},
                     storage_reader=reader,
                     planner=SafeLoadPlanner(),
                     no_dist=True,
                 )
         except (Exception, CheckpointException) as err:  # noqa: BLE001 - named below
             raise dcp_error(err, checkpoint, writing=False) from err
-        yield key, tensor
+        yield name, tensor
 
 
 def _is_plain_meta(value: Any) -> bool:
@@ -212,6 +230,8 @@ def load_unsharded(
     *,
     strict: bool = True,
     weights_only: bool = True,
+    key: bytes | str | None = None,
+    limits: CheckpointLimits | None = None,
     **init_args: Any,
 ) -> Any:
     """A ready, unsharded model from a sharded checkpoint directory, in one process.
@@ -227,6 +247,8 @@ def load_unsharded(
             from the checkpoint's saved ``hyper_parameters`` (updated with ``init_args``).
         strict: raise when the checkpoint lacks a tensor of the model or has one it lacks.
         weights_only: read ``meta.pt`` (the hyper-parameters) with ``weights_only``.
+        key: the key the checkpoint must be signed with.
+        limits: the reading limits.
         **init_args: constructor arguments overriding the saved hyper-parameters (class only).
 
     Returns:
@@ -240,13 +262,16 @@ def load_unsharded(
         FileNotFoundError: if ``checkpoint`` is not a complete sharded checkpoint.
     """
     checkpoint = Path(checkpoint)
-    entries = plain_tensor_index(checkpoint)
+    folder, entries, _ = _open(checkpoint, True, key, limits)
     if isinstance(module, type):
-        meta = load_meta(checkpoint, weights_only=weights_only)
-        hparams = dict(meta.get("hyper_parameters") or {})
+        meta = folder.meta(weights_only)
+        hparams = meta.get("hyper_parameters") or {}
+        if not isinstance(hparams, dict) or not all(isinstance(k, str) for k in hparams):
+            raise CheckpointCorruptError(f"{checkpoint}: its hyper_parameters are not a dict")
         module = module(**{**hparams, **init_args})
     elif init_args:
         raise TypeError(f"constructor arguments {sorted(init_args)} need a class, not a module")
     shapes = {k: tuple(v.size) for k, v in entries.items()}
-    fill_plain(module, shapes, iter_plain_tensors(checkpoint, verify=False), strict)
+    tensors = iter_plain_tensors(checkpoint, verify=False, key=key, limits=limits)
+    fill_plain(module, shapes, tensors, strict)
     return module

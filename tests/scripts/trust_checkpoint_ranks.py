@@ -21,6 +21,7 @@ The damaged copies stay in ``OUT`` for the single-process checks of the test.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import sys
@@ -44,7 +45,7 @@ from torchrec.distributed.types import ShardingPlan
 
 from lightning_torchrec import TorchRecStrategy
 from lightning_torchrec.checkpoint import META_FILE, is_sharded_checkpoint, load_sharded
-from lightning_torchrec.checkpoint.files import MANIFEST_FILE, file_checksum
+from lightning_torchrec.checkpoint.manifest import MANIFEST_FILE, file_checksum
 
 OUT = Path(sys.argv[1])
 ROWS, TABLES = 40, 2
@@ -96,6 +97,11 @@ def fingerprint(path: Path) -> dict[str, Any]:
     return {f.name: file_checksum(f) for f in sorted(path.iterdir()) if f.is_file()}
 
 
+def target(f: Any) -> str:
+    """What ``torch.save`` writes to: a path, or the name of the file (or buffer) it is for."""
+    return str(getattr(f, "name", f))
+
+
 class FailingSave:
     """Makes ``torch.save`` raise ``ENOSPC`` (or exit the process) on one rank for one target."""
 
@@ -132,6 +138,13 @@ def copy_good(name: str, damage: Callable[[Path], None], old_format: bool = Fals
         damage(path)
     torch.distributed.barrier()
     return path
+
+
+def restamp(path: Path, name: str) -> None:
+    """What an attacker does after changing a file: writes a manifest entry that matches it."""
+    written = json.loads((path / MANIFEST_FILE).read_text())
+    written["files"][name] = file_checksum(path / name)
+    (path / MANIFEST_FILE).write_text(json.dumps(written))
 
 
 def flip16(file: Path) -> None:
@@ -207,16 +220,16 @@ def main() -> None:
     results["empty_dir"]["complete"] = is_sharded_checkpoint(empty)
 
     # --- Item 13: disk full on one rank; the previous checkpoint is kept.
-    with FailingSave(1, lambda f: str(f).endswith("param_groups.rank1.pt")):
+    with FailingSave(1, lambda f: target(f).endswith("param_groups.rank1.pt")):
         results["enospc_param_groups"] = outcome(save(GOOD))
-    with FailingSave(0, lambda f: str(f).endswith(META_FILE)):
+    with FailingSave(0, lambda f: target(f).endswith(META_FILE)):
         results["enospc_meta"] = outcome(save(GOOD))
-    with FailingSave(1, lambda f: not isinstance(f, str | os.PathLike)):  # DCP's streams
+    with FailingSave(1, lambda f: not target(f).endswith(".pt")):  # DCP's streams
         results["enospc_dcp"] = outcome(save(GOOD))
     torch.distributed.barrier()  # rank 0 removes the partial directory after raising
     results["good_after_failed_saves"] = {
         "same": fingerprint(GOOD) == good_before,
-        "partial_left": (OUT / ".good.ckpt.partial").exists(),
+        "partial_left": bool(list(OUT.glob(".good.ckpt.partial*"))),
     }
     save_results(rank)
 
@@ -226,6 +239,7 @@ def main() -> None:
 
         def unsafe(p: Path, payload: bytes = payload, marker: Path = marker) -> None:
             (p / ".metadata").write_bytes(payload.replace(b"{marker}", str(marker).encode()))
+            restamp(p, ".metadata")  # consistent checksums: the unpickler itself must refuse
 
         path = copy_good(f"unsafe_{name}.ckpt", unsafe)
         results[f"unsafe_{name}"] = outcome(load(path))
@@ -284,7 +298,7 @@ def main() -> None:
     save_results(rank)
 
     # --- Item 17: rank 1 dies while writing a checkpoint; rank 0 must name it.
-    with FailingSave(1, lambda f: str(f).endswith("param_groups.rank1.pt"), exit_process=True):
+    with FailingSave(1, lambda f: target(f).endswith("param_groups.rank1.pt"), exit_process=True):
         results["dead_peer"] = outcome(save(OUT / "dying.ckpt"))
     save_results(rank)
     sys.stdout.flush()
