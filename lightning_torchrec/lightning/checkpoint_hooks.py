@@ -4,18 +4,56 @@ Lightning's default writes rank 0's ``state_dict()`` with ``torch.save``, which 
 0's shards of every table. These hooks make every rank save and load its own shards through
 :mod:`lightning_torchrec.checkpoint` (collective calls on every rank) and keep Lightning's own
 entries (loops, callbacks, schedulers) in the directory's ``meta.pt``.
+
+Resuming confines what a checkpoint can make the run do later: the paths restored into each
+``ModelCheckpoint`` (best, last, k-best) are kept only inside its ``dirpath`` (the others are
+dropped with a warning), so a resumed run never deletes anything outside it; and retiring a
+checkpoint deletes only this package's own (see :mod:`lightning_torchrec.checkpoint.ownership`).
 """
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
-from lightning_torchrec.checkpoint import load_sharded, remove_checkpoint, save_sharded
+from lightning_torchrec.checkpoint import (
+    CheckpointLimits,
+    confine_checkpoint_paths,
+    load_sharded,
+    remove_checkpoint,
+    save_sharded,
+)
 from lightning_torchrec.training.optim import keyed_optimizer
+
+
+def confine_restored_callbacks(meta: dict[str, Any], trainer: Any) -> list[str]:
+    """Drops restored ``ModelCheckpoint`` paths outside each callback's ``dirpath``, in place.
+
+    Args:
+        meta: the loaded checkpoint dict (its ``"callbacks"`` entry is changed).
+        trainer: the Trainer whose callbacks will restore it.
+
+    Returns:
+        ``"callback: path"`` for every dropped path.
+    """
+    states = meta.get("callbacks")
+    if not isinstance(states, dict) or trainer is None:
+        return []
+    dropped = []
+    for callback in getattr(trainer, "callbacks", []):
+        if not isinstance(callback, ModelCheckpoint):
+            continue
+        for key in {callback.state_key, type(callback).__qualname__}:
+            state = states.get(key)
+            if isinstance(state, dict):
+                paths = confine_checkpoint_paths(state, callback.dirpath)
+                dropped += [f"{key}: {p}" for p in paths]
+    return dropped
 
 
 class ShardedCheckpointing:
@@ -23,9 +61,16 @@ class ShardedCheckpointing:
 
     The strategy provides ``lightning_module``, ``optimizers``, ``broadcast``,
     ``is_global_zero``, ``check_finite_checkpoints``, ``load_optimizer_states``,
-    ``_push_fused_lr`` and ``_collective`` (runs a collective, turning a dead peer's error into
-    ``PeerFailureError``).
+    ``checkpoint_key`` (HMAC key: sign on save, require on load; None: the
+    ``LIGHTNING_TORCHREC_CHECKPOINT_KEY_FILE`` environment variable decides), ``_push_fused_lr``
+    and ``_collective`` (runs a collective, turning a dead peer's error into
+    ``PeerFailureError``). ``checkpoint_limits`` bounds what loading may cost; set it on the
+    strategy (``strategy.checkpoint_limits = CheckpointLimits(...)``) to load a trusted
+    checkpoint beyond the defaults.
     """
+
+    checkpoint_key: bytes | str | None = None
+    checkpoint_limits: CheckpointLimits | None = None
 
     lightning_module: Any
     optimizers: list[Any]
@@ -79,6 +124,7 @@ class ShardedCheckpointing:
             checkpoint,
             model_state=model_state,
             check_finite_values=self.check_finite_checkpoints,
+            key=self.checkpoint_key,
         )
 
     @override
@@ -94,8 +140,22 @@ class ShardedCheckpointing:
             optimizers,
             weights_only=True if weights_only is None else weights_only,
             load_optimizer_states=self.load_optimizer_states,
+            key=self.checkpoint_key,
+            limits=self.checkpoint_limits,
         )
         self._push_fused_lr()
+        try:
+            trainer = self.lightning_module.trainer
+        except RuntimeError:  # not attached to a Trainer: nothing restores callbacks
+            trainer = None
+        dropped = confine_restored_callbacks(meta, trainer)
+        if dropped and self.is_global_zero:
+            warnings.warn(
+                f"{path}: restored ModelCheckpoint paths outside the callback's dirpath were "
+                f"dropped (a resumed run never deletes outside it): {dropped[:5]}",
+                UserWarning,
+                stacklevel=2,
+            )
         return meta
 
     @override

@@ -127,6 +127,9 @@ class TorchRecStrategy(
             ``lightning_torchrec.training.device_checks``).
         pipeline_options: options of the chosen pipeline: ``{"start_batch": N}`` for
             ``"semi_sync"`` (default 900, TorchRec's).
+        checkpoint_key: an HMAC-SHA256 key: checkpoints are saved with signed manifests and
+            only checkpoints signed with it load (see ``lightning_torchrec.checkpoint.signing``;
+            None: the ``LIGHTNING_TORCHREC_CHECKPOINT_KEY_FILE`` environment variable decides).
 
     Raises:
         ValueError: if both ``sharders`` and ``fused_params`` are given, ``plan`` with
@@ -161,6 +164,7 @@ class TorchRecStrategy(
         pipeline: Literal["auto", "sparse_dist", "semi_sync"] | None = "auto",
         pipeline_options: dict[str, Any] | None = None,
         batch_checks: Literal["auto", "before_forward", "next_step"] = "auto",
+        checkpoint_key: bytes | str | None = None,
     ) -> None:
         if batch_checks not in BATCH_CHECKS:
             raise ValueError(f"batch_checks must be one of {BATCH_CHECKS}, got {batch_checks!r}")
@@ -184,6 +188,7 @@ class TorchRecStrategy(
         self.load_optimizer_states = load_optimizer_states
         self.collective_timeout = timeout
         self.check_finite_checkpoints = check_finite_checkpoints
+        self.checkpoint_key = checkpoint_key
         self._validate_batches = validate_batches
         self._on_nonfinite_loss = on_nonfinite_loss
         self._runner: StepRunner | None = None
