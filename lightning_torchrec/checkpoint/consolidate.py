@@ -15,7 +15,12 @@ than a file, use :func:`lightning_torchrec.checkpoint.load_unsharded`.
 
 Command line::
 
-    python -m lightning_torchrec.consolidate CHECKPOINT_DIR OUTPUT.safetensors
+    python -m lightning_torchrec.consolidate CHECKPOINT_DIR OUTPUT.safetensors \
+        [--overwrite] [--key-file KEY]
+
+It refuses an output inside the checkpoint and an existing output (unless ``--overwrite``),
+leaves nothing behind when it fails, and reports a user's mistake (a damaged, unsafe or
+unsigned checkpoint, a wrong path) on one line with exit status 2.
 """
 
 from __future__ import annotations
@@ -29,16 +34,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_torchrec.checkpoint import (
+from lightning_torchrec.checkpoint.limits import CheckpointLimits
+from lightning_torchrec.checkpoint.outputs import (
+    USER_ERRORS,
+    OwnedTemp,
+    check_output,
+    user_error,
+)
+from lightning_torchrec.checkpoint.signing import read_key_file
+from lightning_torchrec.checkpoint.unsharded import (
     fill_plain,
     iter_plain_tensors,
     plain_tensor_index,
 )
-from lightning_torchrec.errors import (
-    CheckpointCorruptError,
-    CheckpointMismatchError,
-    UnsafeCheckpointError,
-)
+from lightning_torchrec.errors import CheckpointWriteError
 
 __all__ = [
     "consolidate",
@@ -63,13 +72,25 @@ _DTYPES = {
 _FROM_NAME = {v: k for k, v in _DTYPES.items()}
 
 
-def consolidate(checkpoint: str | Path, output: str | Path) -> Path:
+def consolidate(
+    checkpoint: str | Path,
+    output: str | Path,
+    *,
+    overwrite: bool = True,
+    key: bytes | str | None = None,
+    limits: CheckpointLimits | None = None,
+) -> Path:
     """Writes the plain (unsharded) model state dict of a sharded checkpoint to one file.
 
     Args:
         checkpoint: a sharded checkpoint directory.
         output: the file to write; ``.safetensors`` streams tensor by tensor (memory near the
             largest table), anything else is written with ``torch.save`` (memory: the model).
+            Written to a fresh temporary file first: a failure leaves nothing behind.
+        overwrite: replace an existing output (the command line asks for ``--overwrite``).
+        key: the key the checkpoint must be signed with (see
+            :func:`~lightning_torchrec.checkpoint.signing.resolve_key`).
+        limits: the reading limits.
 
     Returns:
         The output path.
@@ -79,38 +100,47 @@ def consolidate(checkpoint: str | Path, output: str | Path) -> Path:
         CheckpointCorruptError: if a file of the checkpoint is damaged, truncated or missing,
             naming it (nothing is written).
         UnsafeCheckpointError: if the checkpoint's metadata would run code when loaded.
-        ValueError: for a dtype the safetensors format cannot hold.
+        ValueError: for an output inside the checkpoint, or a dtype safetensors cannot hold.
+        FileExistsError: for an existing output without ``overwrite``.
+        CheckpointWriteError: if writing the output failed (with the OS's errno).
     """
     checkpoint, output = Path(checkpoint), Path(output)
-    entries = plain_tensor_index(checkpoint)  # verifies every file first
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(output.name + ".partial")
-    if output.suffix != ".safetensors":
-        torch.save(dict(iter_plain_tensors(checkpoint, verify=False)), tmp)
-        tmp.replace(output)
-        return output
+    check_output(checkpoint, output, overwrite)
+    entries = plain_tensor_index(checkpoint, key=key, limits=limits)  # verifies every file first
+    tensors = iter_plain_tensors(checkpoint, verify=False, key=key, limits=limits)
     header: dict[str, Any] = {}
     offset = 0
-    for key, meta in entries.items():
+    for name, meta in entries.items():
         dtype = meta.properties.dtype
         if dtype not in _DTYPES:
-            raise ValueError(f"{key}: dtype {dtype} has no safetensors name")
+            raise ValueError(f"{name}: dtype {dtype} has no safetensors name; write a .pt file")
         nbytes = torch.Size(meta.size).numel() * torch.empty((), dtype=dtype).element_size()
-        header[key] = {
+        header[name] = {
             "dtype": _DTYPES[dtype],
             "shape": list(meta.size),
             "data_offsets": [offset, offset + nbytes],
         }
         offset += nbytes
+    try:
+        with OwnedTemp(output) as tmp:
+            if output.suffix != ".safetensors":
+                with open(tmp.path, "wb") as f:
+                    torch.save(dict(tensors), f)
+            else:
+                _write_safetensors(tmp.path, header, tensors)
+    except RuntimeError as err:  # torch.save hides the OS's error behind a RuntimeError
+        raise CheckpointWriteError(f"writing {output} failed: {err}") from err
+    return output
+
+
+def _write_safetensors(path: Path, header: dict[str, Any], tensors: Any) -> None:
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    with open(tmp, "wb") as f:
+    with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        for _, tensor in iter_plain_tensors(checkpoint, verify=False):  # header's key order
+        for _, tensor in tensors:  # the header's key order
             f.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)  # no copy
-    tmp.replace(output)
-    return output
 
 
 def _safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
@@ -193,8 +223,9 @@ def load_plain_weights(
 def main(argv: list[str] | None = None) -> None:
     """Command line entry point: ``python -m lightning_torchrec.consolidate CKPT OUT``.
 
-    Exits with status 1 and the error's message when the checkpoint is damaged, unsafe,
-    incomplete or not a sharded checkpoint.
+    Exits with status 2 and the error on one line (no traceback) when the checkpoint is
+    damaged, unsafe, unsigned (with ``--key-file``), incomplete or not a sharded checkpoint, or
+    the output is inside the checkpoint or exists (without ``--overwrite``).
 
     Args:
         argv: arguments (defaults to ``sys.argv[1:]``).
@@ -205,14 +236,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("checkpoint", type=Path, help="sharded checkpoint directory")
     parser.add_argument("output", type=Path, help="output file (.safetensors streams)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    parser.add_argument(
+        "--key-file",
+        type=Path,
+        help="refuse checkpoints not signed with the HMAC key in this file",
+    )
     args = parser.parse_args(argv)
     try:
-        out = consolidate(args.checkpoint, args.output)
-    except (
-        CheckpointCorruptError,
-        CheckpointMismatchError,
-        UnsafeCheckpointError,
-        FileNotFoundError,
-    ) as err:
-        parser.exit(1, f"error: {type(err).__name__}: {err}\n")
+        key = read_key_file(args.key_file) if args.key_file else None
+        out = consolidate(args.checkpoint, args.output, overwrite=args.overwrite, key=key)
+    except USER_ERRORS as err:
+        user_error(parser, err)
     print(f"wrote {out} ({out.stat().st_size} bytes)")

@@ -42,6 +42,8 @@ from torchrec.quant.embedding_modules import (
 )
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from lightning_torchrec.checkpoint.outputs import USER_ERRORS, OwnedTemp, check_output, user_error
+from lightning_torchrec.checkpoint.signing import read_key_file
 from lightning_torchrec.export.quantize import (
     DTYPES,
     quantize_from_checkpoint,
@@ -184,7 +186,7 @@ def trace(model: nn.Module, fmt: str, args: tuple[Any, ...] | None) -> Any:
 
 
 def save_artifact(artifact: Any, fmt: str, output: str | Path) -> Path:
-    """Writes an artifact atomically (``OUT.partial`` then rename).
+    """Writes an artifact atomically (a fresh temporary file, then rename; removed on failure).
 
     Args:
         artifact: from :func:`trace`.
@@ -195,14 +197,12 @@ def save_artifact(artifact: Any, fmt: str, output: str | Path) -> Path:
         The path.
     """
     output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(output.name + ".partial")
-    with open(tmp, "wb") as f:  # a file object: torch.export wants a .pt2 name otherwise
+    with OwnedTemp(output) as tmp, open(tmp.path, "wb") as f:
+        # A file object: torch.export wants a .pt2 name otherwise.
         if fmt == "pt2":
             torch.export.save(artifact, f)
         else:
             torch.jit.save(artifact, f)
-    tmp.replace(output)
     return output
 
 
@@ -215,6 +215,7 @@ def export(
     format: str = "pt2",  # noqa: A002 - the CLI's name
     example_inputs: tuple[Any, ...] | None = None,
     verify: bool = True,
+    key: bytes | str | None = None,
 ) -> ExportResult:
     """Exports a sharded checkpoint as a quantized inference artifact, in one process.
 
@@ -232,6 +233,8 @@ def export(
             ``example_inputs()`` if defined, else ``(dense_features, KJT)`` built from the
             tables' features and the ``num_dense_features`` hyper-parameter.
         verify: check the checkpoint's files against its checksum manifest first.
+        key: the key the checkpoint must be signed with (see
+            ``lightning_torchrec.checkpoint.signing``).
 
     Returns:
         The :class:`ExportResult`.
@@ -246,7 +249,7 @@ def export(
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
     start = time.perf_counter()
-    model, facts = quantize_from_checkpoint(checkpoint_dir, module, dtype, verify=verify)
+    model, facts = quantize_from_checkpoint(checkpoint_dir, module, dtype, verify=verify, key=key)
     args = example_inputs
     if args is None and callable(facts["example_inputs"]):
         args = tuple(facts["example_inputs"]())
@@ -268,8 +271,9 @@ def export(
     }
     path = None
     if output is not None:
-        path = save_artifact(artifact, format, output)
-        Path(f"{path}.json").write_text(json.dumps(info, indent=2) + "\n")
+        with OwnedTemp(f"{output}.json") as side:
+            side.path.write_text(json.dumps(info, indent=2) + "\n")
+            path = save_artifact(artifact, format, output)
     return ExportResult(
         model=model,
         artifact=artifact,
@@ -311,6 +315,11 @@ def load_artifact(path: str | Path) -> Any:
 def main(argv: list[str] | None = None) -> ExportResult:
     """Command line: ``python -m lightning_torchrec.export CKPT OUT --module pkg.Class``.
 
+    Refuses an output inside the checkpoint and an existing output (or ``OUT.json``) unless
+    ``--overwrite``; leaves nothing behind when it fails; a user's mistake (a damaged, unsafe or
+    unsigned checkpoint, a ``--module`` that is not a ``LightningModule``/``nn.Module``
+    subclass, a wrong path) exits with status 2 and one line, no traceback.
+
     Args:
         argv: arguments (defaults to ``sys.argv[1:]``).
 
@@ -335,13 +344,22 @@ def main(argv: list[str] | None = None) -> ExportResult:
         default=None,
         help="pt2 (torch.export) or torchscript; default: from the output suffix (.pt2: pt2)",
     )
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    parser.add_argument(
+        "--key-file", type=Path, help="refuse checkpoints not signed with the key in this file"
+    )
     args = parser.parse_args(argv)
     fmt = args.format or ("pt2" if args.output.suffix == ".pt2" else "torchscript")
     try:
-        result = export(args.checkpoint, args.module, args.output, dtype=args.dtype, format=fmt)
-    except (ImportError, TypeError, ValueError, FileNotFoundError) as err:
+        for out in (args.output, Path(f"{args.output}.json")):
+            check_output(args.checkpoint, out, args.overwrite)
+        key = read_key_file(args.key_file) if args.key_file else None
+        result = export(
+            args.checkpoint, args.module, args.output, dtype=args.dtype, format=fmt, key=key
+        )
+    except USER_ERRORS as err:
         # CheckpointMismatchError is a ValueError; the message names what is wrong.
-        parser.exit(2, f"{parser.prog}: error: {err}\n")
+        user_error(parser, err)
     ratio = result.quantized_table_bytes / max(result.float_table_bytes, 1)
     print(
         f"wrote {result.path} ({fmt}, tables {args.dtype}: {result.quantized_table_bytes} bytes, "

@@ -90,25 +90,41 @@ def resolve_class(path: str) -> type:
     return cls
 
 
-def build_module(checkpoint: str | Path, module: str | type | nn.Module) -> nn.Module:
+def build_module(
+    checkpoint: str | Path, module: str | type | nn.Module, key: bytes | str | None = None
+) -> nn.Module:
     """The (LightningModule) instance to export, built from the checkpoint's hyper-parameters.
+
+    A class must be an ``nn.Module`` (e.g. ``LightningModule``) subclass: the checkpoint's
+    hyper-parameters are passed to its constructor, which for any other class (say, one that
+    runs a command) would let the checkpoint choose what runs.
 
     Args:
         checkpoint: the sharded checkpoint directory (its ``meta.pt`` holds Lightning's
             ``hyper_parameters``, read with ``weights_only=True``).
         module: a dotted class path, a class, or an instance (used as is).
+        key: the key the checkpoint must be signed with.
 
     Returns:
         The module (tables typically still on the meta device).
 
     Raises:
         ImportError: for an unknown dotted path (see :func:`resolve_class`).
-        TypeError: if the class cannot be built from the saved hyper-parameters.
+        TypeError: if the class is not an ``nn.Module`` subclass (nothing is built) or cannot
+            be built from the saved hyper-parameters.
     """
     if isinstance(module, nn.Module):
         return module
     cls = resolve_class(module) if isinstance(module, str) else module
-    hparams = dict(load_meta(checkpoint).get("hyper_parameters") or {})
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise TypeError(
+            f"--module {getattr(cls, '__module__', '?')}.{getattr(cls, '__qualname__', cls)} is "
+            "not a LightningModule (or torch.nn.Module) subclass; it is not built from the "
+            "checkpoint's hyper-parameters"
+        )
+    hparams = load_meta(checkpoint, key=key).get("hyper_parameters") or {}
+    if not isinstance(hparams, dict) or not all(isinstance(k, str) for k in hparams):
+        raise TypeError(f"{checkpoint}: its hyper_parameters are not a dict of arguments")
     try:
         return cls(**hparams)
     except TypeError as err:
@@ -240,6 +256,7 @@ def quantize_from_checkpoint(
     module: str | type | nn.Module,
     dtype: str = "int8",
     verify: bool = True,
+    key: bytes | str | None = None,
 ) -> tuple[nn.Module, dict[str, Any]]:
     """The inference model of a checkpoint, tables quantized, in one process, no process group.
 
@@ -253,6 +270,8 @@ def quantize_from_checkpoint(
             an instance.
         dtype: ``"int8"``, ``"int4"``, ``"fp16"`` or ``"fp32"`` (tables only).
         verify: check the checkpoint's files against its checksum manifest first.
+        key: the key the checkpoint must be signed with (see
+            ``lightning_torchrec.checkpoint.signing``).
 
     Returns:
         ``(model in eval mode, facts)`` where facts holds ``tables`` (``{name: (rows, dim)}``),
@@ -270,8 +289,8 @@ def quantize_from_checkpoint(
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     checkpoint = Path(checkpoint)
-    entries = plain_tensor_index(checkpoint, verify=verify)  # raises for a non-checkpoint
-    root = build_module(checkpoint, module)
+    entries = plain_tensor_index(checkpoint, verify=verify, key=key)  # refuses a non-checkpoint
+    root = build_module(checkpoint, module, key)
     target = inference_model(root)
     paths = _module_paths(root)
     ebcs: dict[str, EmbeddingBagCollection] = {}
@@ -311,8 +330,9 @@ def quantize_from_checkpoint(
             )
         _set_submodule(root, path, qebc)  # the float EBC (meta or not) is dropped here
     table_prefixes = tuple(f"{p}." if p else "" for p in ebcs)
+    tensors = iter_plain_tensors(checkpoint, verify=False, key=key)
     with torch.no_grad():
-        for key, tensor in iter_plain_tensors(checkpoint, verify=False):
+        for key, tensor in tensors:  # (the signing key was bound above)
             if key in rows_of:
                 _write_quantized(rows_of.pop(key), tensor, dtype)
             elif key.startswith(table_prefixes) and table_of_key(key) != key:
