@@ -31,6 +31,7 @@ from torch.futures import Future
 
 from lightning_torchrec.checkpoint.folder import CheckpointFolder, read_dcp_metadata
 from lightning_torchrec.checkpoint.torch_files import (
+    FileSlice,
     load_torch_bytes,
     pickled_strings,
     single_file_checkpoint_kind,
@@ -128,14 +129,15 @@ class SafeFileSystemReader(FileSystemReader):
         with self.folder.open(name, str(self.checkpoint_dir / ".metadata")) as stream:
             for req in items:
                 info = self.storage_data[req.storage_index]
-                stream.seek(info.offset)
-                blob = stream.read(info.length)
-                if len(blob) != info.length:
-                    raise CheckpointCorruptError(f"{file} ends inside a chunk (truncated)")
                 if req.type == LoadItemType.BYTE_IO:
+                    stream.seek(info.offset)
+                    blob = stream.read(info.length)
+                    if len(blob) != info.length:
+                        raise CheckpointCorruptError(f"{file} ends inside a chunk (truncated)")
                     planner.load_bytes(req, io.BytesIO(blob))
                     continue
-                tensor = load_torch_bytes(blob, file, True, self.folder.limits)
+                chunk = FileSlice(stream, info.offset, info.length)  # within the file: checked
+                tensor = load_torch_bytes(chunk, file, True, self.folder.limits)
                 if type(tensor) is not torch.Tensor:
                     raise CheckpointCorruptError(f"{file} holds a {type(tensor).__name__} chunk")
                 tensor = narrow_tensor(tensor, req.storage_offsets, req.lengths)

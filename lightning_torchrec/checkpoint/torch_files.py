@@ -58,11 +58,55 @@ def _allowed_global(arg: str) -> bool:
     return storage or isinstance(value, torch.dtype)
 
 
-def _data_pickle(data: bytes | Path, file: Path, cap: int | None = None) -> bytes:
-    """The pickle of a ``torch.save`` zip (bytes or a file), after checking nothing inflates."""
+class FileSlice(io.RawIOBase):
+    """A read-only, seekable view of ``length`` bytes of an open file from ``offset``.
+
+    What a chunk of a DCP file is read through: ``torch.load`` reads its tensor straight from
+    the file (no copy of the chunk's bytes in memory first), and nothing past the slice.
+
+    Args:
+        stream: an open binary file.
+        offset: where the slice starts.
+        length: its length.
+    """
+
+    def __init__(self, stream: Any, offset: int, length: int) -> None:
+        super().__init__()
+        self.stream, self.offset, self.length, self.pos = stream, offset, length, 0
+
+    def readable(self) -> bool:  # noqa: D102 - io protocol
+        return True
+
+    def seekable(self) -> bool:  # noqa: D102 - io protocol
+        return True
+
+    def tell(self) -> int:  # noqa: D102 - io protocol
+        return self.pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:  # noqa: D102 - io protocol
+        base = {0: 0, 1: self.pos, 2: self.length}[whence]
+        self.pos = max(0, min(self.length, base + pos))
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:  # noqa: D102 - io protocol
+        n = min(len(buffer), self.length - self.pos)
+        if n <= 0:
+            return 0
+        self.stream.seek(self.offset + self.pos)
+        got = self.stream.readinto(memoryview(buffer)[:n])
+        self.pos += got
+        return got
+
+
+def _data_pickle(data: bytes | Path | FileSlice, file: Path, cap: int | None = None) -> bytes:
+    """The pickle of a ``torch.save`` zip (bytes, a file or a slice), once nothing inflates."""
     try:
-        size = len(data) if isinstance(data, bytes) else data.stat().st_size
-        source = io.BytesIO(data) if isinstance(data, bytes) else data
+        if isinstance(data, bytes):
+            size, source = len(data), io.BytesIO(data)
+        elif isinstance(data, FileSlice):
+            size, source = data.length, data
+        else:
+            size, source = data.stat().st_size, data
         with zipfile.ZipFile(source) as z:
             infos = z.infolist()
             for info in infos:
@@ -152,7 +196,7 @@ def check_expansion(obj: Any, budget: int, file: Path) -> None:
 
 
 def load_torch_bytes(
-    data: bytes,
+    data: bytes | FileSlice,
     file: str | Path,
     weights_only: bool = True,
     limits: CheckpointLimits = DEFAULT_LIMITS,
@@ -160,7 +204,8 @@ def load_torch_bytes(
     """``torch.load`` of a checkpoint file's bytes, bounded, with errors that name the file.
 
     Args:
-        data: the file's bytes (verified against the manifest already, where there is one).
+        data: the file's bytes (verified against the manifest already, where there is one), or
+            a :class:`FileSlice` of a verified file.
         file: the file, for messages.
         weights_only: refuse objects that are not tensors or plain data (and bound the work);
             False trusts the file (code in it runs).
@@ -180,7 +225,9 @@ def load_torch_bytes(
     if weights_only:
         _check_globals(pkl, file)
     try:
-        obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
+        source = io.BytesIO(data) if isinstance(data, bytes) else data
+        source.seek(0)
+        obj = torch.load(source, map_location="cpu", weights_only=weights_only)
     except pickle.UnpicklingError as err:
         if weights_only and "unsupported global" in str(err).lower():
             raise UnsafeCheckpointError(
@@ -198,7 +245,8 @@ def load_torch_bytes(
             f"{str(err).splitlines()[0] if str(err) else ''}"
         ) from err
     if weights_only:
-        check_expansion(obj, limits.object_budget(len(data)), file)
+        size = len(data) if isinstance(data, bytes) else data.length
+        check_expansion(obj, limits.object_budget(size), file)
     return obj
 
 
