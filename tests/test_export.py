@@ -260,6 +260,6 @@ def test_command_line(
     result = main([str(checkpoints[3]), str(out), "--module", MODULE, "--dtype", "int4"])
     assert result.format == "pt2" and out.is_file() and "tables int4" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_info:
-        main([str(checkpoints[3]), str(out), "--module", "my_pkg.MyModule"])
+        main([str(checkpoints[3]), str(out), "--module", "my_pkg.MyModule", "--overwrite"])
     assert exit_info.value.code == 2
     assert "cannot import module 'my_pkg'" in capsys.readouterr().err

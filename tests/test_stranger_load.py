@@ -247,8 +247,11 @@ def test_bombs_cost_little(tmp_path: Path) -> None:
     for name, (_, match) in BOMBS.items():
         for load in ("load_sharded", "iter_plain_tensors"):
             got = result["loads"][f"{name}.ckpt/{load}"]
-            assert got["error"] and re.match(match, got["error"]), (name, load, got)
             assert got["seconds"] < 10, (name, load, got)
+            if load == "iter_plain_tensors" and name in ("deflated_meta", "bytearray_meta"):
+                assert got["error"] is None  # the tensors do not need meta.pt: never parsed
+                continue
+            assert got["error"] and re.match(match, got["error"]), (name, load, got)
 
 
 def test_size_caps_are_documented_and_raisable(ckpt: Path) -> None:
