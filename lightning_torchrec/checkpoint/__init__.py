@@ -10,21 +10,25 @@ A checkpoint is a directory:
   values, so they are kept per rank;
 - ``meta.pt``: Lightning's own checkpoint entries (loops, callbacks, schedulers, ...), written by
   rank 0 last;
-- ``checksums.json`` (format version 2): the CRC-32 and size of every other file.
+- ``checksums.json`` (format version 2): the CRC-32 and size of every other file and the save's
+  token (with a key: SHA-256 entries and an HMAC-SHA256 signature).
 
-Saving is atomic: every rank writes into a hidden sibling directory (``.{name}.partial``, which
-matches no checkpoint pattern); each rank checksums the files it wrote, rank 0 gathers the
+Saving is atomic: every rank writes into a hidden sibling directory (``.{name}.partial-{token}``,
+which matches no checkpoint pattern); each rank checksums the files it wrote, rank 0 gathers the
 checksums into the manifest and moves the directory to its final name. An existing checkpoint of
 that name is swapped out in one ``renameat2(RENAME_EXCHANGE)`` on Linux (elsewhere: two renames,
 undone on the next read if a crash fell between them), so the name never goes missing. A failed
-save leaves the previous checkpoint untouched. Only a checkpoint written by this package, a
-Lightning single-file checkpoint or an empty directory is ever replaced.
+save leaves the previous checkpoint untouched. Only a checkpoint written by this package and
+holding nothing else (proven by a per-save token in its manifest and ``meta.pt``), a Lightning
+single-file checkpoint or an empty directory is ever replaced.
 
-Loading verifies the checksums (each rank reads a share of the files), reads every file without
-running code from it (DCP metadata through a restricted unpickler, the rest with
-``torch.load(weights_only=True)``) and checks the checkpoint's keys and global shapes against the
-target before reading any tensor. It reshards: a checkpoint written under one plan or world size
-loads under another (DCP copies by global offsets).
+Loading verifies the checksums (each rank reads a share of the files; each file it parses is
+verified from the bytes it parses), opens only listed regular files inside the folder, reads
+every file without running code from it (DCP metadata through this package's own pickle
+interpreter, the rest with ``torch.load(weights_only=True)`` behind bounds) and checks the
+checkpoint's keys and global shapes against the target before reading any tensor. It
+reshards: a checkpoint written under one plan or world size loads under another (DCP copies by
+global offsets).
 
 Everything is collective: every rank must call :func:`save_sharded` / :func:`load_sharded`. Every
 error found on one rank (a damaged file, a full disk, a mismatch) is raised on every rank as the
@@ -34,10 +38,14 @@ same named error (:func:`lightning_torchrec.distributed.agree`); a peer that die
 :func:`load_unsharded` (and ``TorchRecModule.load_from_checkpoint``) builds a ready unsharded
 model from a checkpoint directory in one process.
 
-This module is the public face of the checkpoint modules: ``checkpoint_base`` (files, recognising
-a checkpoint, agreeing errors), ``checkpoint_save``, ``checkpoint_load``, ``unsharded``, with
-``checkpoint_files`` (checksums, crash-safe replacement) and ``safe_load`` (reading without
-running code) below them.
+This module is the public face of the checkpoint modules: ``common`` (recognising a checkpoint,
+agreeing errors), ``save``, ``load``, ``unsharded``, ``consolidate``, with ``files`` (writing,
+crash-safe replacement), ``ownership`` (what a save may delete) and ``safe_load`` (DCP's reader,
+made safe) below them. Reading a stranger's checkpoint safely is ``folder`` (every file a load
+opens: ``paths``, ``manifest``, ``signing``, ``limits``), ``unpickle`` with ``dcp_allow`` and
+``dcp_metadata`` (DCP's metadata), and ``torch_files`` (``torch.save`` files); ``confine`` keeps
+restored ``ModelCheckpoint`` paths inside its directory. See ``docs/checkpoints.md`` for the
+threat model.
 """
 
 from __future__ import annotations
