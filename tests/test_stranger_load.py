@@ -26,12 +26,12 @@ import pytest
 import torch
 
 from lightning_torchrec.checkpoint import (
-    CheckpointLimits,
     iter_plain_tensors,
     load_meta,
     load_sharded,
 )
 from lightning_torchrec.checkpoint.consolidate import consolidate
+from lightning_torchrec.checkpoint.limits import CheckpointLimits
 from lightning_torchrec.checkpoint.manifest import MANIFEST_FILE
 from lightning_torchrec.compat.upstream import dcp_metadata_classes
 from lightning_torchrec.errors import (

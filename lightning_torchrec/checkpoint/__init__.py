@@ -61,7 +61,6 @@ from lightning_torchrec.checkpoint.common import (
     written_by_this_package,
 )
 from lightning_torchrec.checkpoint.confine import confine_checkpoint_paths
-from lightning_torchrec.checkpoint.limits import CheckpointLimits
 from lightning_torchrec.checkpoint.load import check_compatible, load_sharded
 from lightning_torchrec.checkpoint.save import check_finite, save_sharded
 from lightning_torchrec.checkpoint.signing import KEY_FILE_ENV, read_key_file
@@ -76,7 +75,6 @@ from lightning_torchrec.checkpoint.unsharded import (
 __all__ = [
     "FORMAT_VERSION",
     "KEY_FILE_ENV",
-    "CheckpointLimits",
     "META_FILE",
     "MODEL_KEY",
     "PACKAGE_KEY",

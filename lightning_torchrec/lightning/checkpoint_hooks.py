@@ -22,12 +22,12 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
 from lightning_torchrec.checkpoint import (
-    CheckpointLimits,
     confine_checkpoint_paths,
     load_sharded,
     remove_checkpoint,
     save_sharded,
 )
+from lightning_torchrec.checkpoint.limits import CheckpointLimits
 from lightning_torchrec.training.optim import keyed_optimizer
 
 
