@@ -25,6 +25,10 @@ TESTS=(
     tests/test_pipeline.py
     tests/test_pipeline_features.py
     tests/test_key_order.py
+    tests/test_lifetime.py
+    tests/test_device_checks.py
+    tests/test_step_runner.py
+    tests/test_fabric.py
 )
 
 # name: torch fbgemm-gpu-cpu torchrec [extra requirement files for the torchrec step]
