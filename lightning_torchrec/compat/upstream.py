@@ -237,6 +237,24 @@ UPSTREAM_WARNINGS: list[tuple[str, type[Warning], str, str]] = [
         "Lightning 2.6's _pytree helper tests isinstance(treespec, LeafSpec), which torch 2.13 "
         "deprecates (it still works).",
     ),
+    (
+        "Your `IterableDataset` has `__len__` defined",
+        UserWarning,
+        r"lightning\.pytorch\.utilities\.data",
+        "Lightning 2.6 warns for every DataLoader of an IterableDataset with a length, in case "
+        "its workers duplicate data. The Criteo and Parquet datasets deal their batches to the "
+        "(rank, worker) readers themselves and give every reader the same count, so the length "
+        "is exact; it is what fractional val_check_interval, progress totals and the resume "
+        "position need. (Also silences it for other iterable datasets in the process.)",
+    ),
+    (
+        "The given NumPy array is not writable",
+        UserWarning,
+        r"torchrec\.datasets\.criteo",
+        "TorchRec's InMemoryBinaryCriteoIterDataPipe (mmap_mode) wraps slices of its read-only "
+        "memory-mapped npy files with torch.from_numpy; the Criteo reader clones the dense rows "
+        "and converts the labels, and never writes to them.",
+    ),
 ]
 
 #: Log records of dependencies silenced the same way: (logger, message start, why).
