@@ -22,12 +22,14 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 # The local shape and global offset of a regular DTensor's local tensor; no public equivalent
 # (torch 2.4+; same signature through 2.14).
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.fx.experimental.symbolic_shapes import free_symbols
 from torchrec.optim.keyed import CombinedOptimizer
 
 __all__ = [
     "TORCH_LAYOUT_DECODER",
     "UPSTREAM_LOG_RECORDS",
     "UPSTREAM_WARNINGS",
+    "drop_unused_range_constraints",
     "filter_upstream_warnings",
     "fused_kernels",
     "foreach_norm",
@@ -196,6 +198,44 @@ def planner_topology(planner: Any) -> Any:
         The topology, or None when the planner keeps none.
     """
     return getattr(planner, "_topology", None)
+
+
+def _symbolic_leaves(value: Any) -> list[Any]:
+    """The tensors and symbolic scalars in a node's ``meta["val"]`` (nested lists and tuples)."""
+    if isinstance(value, list | tuple):
+        return [leaf for v in value for leaf in _symbolic_leaves(v)]
+    symbolic = (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)
+    return [value] if isinstance(value, symbolic) else []
+
+
+def drop_unused_range_constraints(program: Any) -> list[str]:
+    """Removes the value ranges of symbols that an exported program's graphs no longer use.
+
+    ``torch.export`` (seen in torch 2.13) keeps the range of every unbacked symbol it created
+    while tracing, also of values the graph then dropped as dead code: the per-key offsets of
+    TorchRec's ``KeyedJaggedTensor`` (``offset_per_key()``: Python ints, one symbol per key and
+    one more), which the quantized EBC's forward never reads. ``torch.export.load`` discards such
+    ranges and logs a warning for each ("Symbol u5 did not appear in the graph that was
+    deserialized"); dropped before saving, the artifact is the same program and loads silently,
+    also in a server that never imports this package. ``ExportedProgram.range_constraints`` has
+    no setter: its dict is edited in place.
+
+    Args:
+        program: a ``torch.export.ExportedProgram``.
+
+    Returns:
+        The dropped symbols (or expressions), as strings.
+    """
+    used: set[Any] = set()
+    for module in program.graph_module.modules():
+        if isinstance(module, torch.fx.GraphModule):
+            for node in module.graph.nodes:
+                used |= set(free_symbols(_symbolic_leaves(node.meta.get("val"))))
+    constraints = program.range_constraints
+    stale = [key for key in constraints if not set(key.free_symbols) <= used]
+    for key in stale:
+        del constraints[key]
+    return [str(key) for key in stale]
 
 
 #: Warnings that only a dependency can fix: (message regex, category, module regex, why). No

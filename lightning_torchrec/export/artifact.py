@@ -42,6 +42,7 @@ from torchrec.quant.embedding_modules import (
 )
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from lightning_torchrec.compat.upstream import drop_unused_range_constraints
 from lightning_torchrec.export.quantize import (
     DTYPES,
     quantize_from_checkpoint,
@@ -180,6 +181,9 @@ def trace(model: nn.Module, fmt: str, args: tuple[Any, ...] | None) -> Any:
         program = torch.export.export(model, args, dynamic_shapes=_dynamic_shapes(args))
     # The example inputs would be pickled into the file (a KJT: not weights-only loadable).
     program.example_inputs = None
+    # Ranges of the ints TorchRec's KJT computes and the graph drops: torch.export.load would
+    # log a warning for each (one per feature, and one more).
+    drop_unused_range_constraints(program)
     return program
 
 
