@@ -233,6 +233,18 @@ def test_unknown_module_path_is_named(checkpoints: dict[int, Path]) -> None:
         export(checkpoints[1], "lightning_torchrec.NoSuchModule")
 
 
+def test_module_built_from_the_hyper_parameters_a_cli_saved(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """LightningCLI (the demo) saves ``_instantiator`` with the module's arguments."""
+    hparams = {"num_embeddings_per_feature": [ROWS] * 2, "embedding_dim": 8}
+    meta = {"hyper_parameters": {**hparams, "_instantiator": "lightning.pytorch.cli.x"}}
+    monkeypatch.setattr(quantize_module, "load_meta", lambda path: meta)
+    module = quantize_module.build_module("ckpt", MODULE)
+    assert isinstance(module, DLRMClickModule)
+    assert module.hparams["embedding_dim"] == 8
+
+
 def test_checkpoint_of_another_model_names_the_tables(checkpoints: dict[int, Path]) -> None:
     other = tiny_dlrm(
         [ROWS, ROWS, 300], 3, embedding_dim=DIM, dense_sizes=[64, DIM], over_sizes=[64, 1]

@@ -108,7 +108,10 @@ def build_module(checkpoint: str | Path, module: str | type | nn.Module) -> nn.M
     if isinstance(module, nn.Module):
         return module
     cls = resolve_class(module) if isinstance(module, str) else module
-    hparams = dict(load_meta(checkpoint).get("hyper_parameters") or {})
+    saved = load_meta(checkpoint).get("hyper_parameters") or {}
+    # LightningCLI (the demo) saves how it built the module next to its arguments, under keys
+    # with a leading underscore, which no argument has.
+    hparams = {k: v for k, v in saved.items() if not str(k).startswith("_")}
     try:
         return cls(**hparams)
     except TypeError as err:
