@@ -305,6 +305,13 @@ UPSTREAM_LOG_RECORDS: list[tuple[str, str, str]] = [
         "TorchRec's sharded modules call torch.fx's is_fx_tracing() in every forward; torch 2.13 "
         "logs once per process that its meaning widened (TorchRec does not trace there).",
     ),
+    (
+        "root",
+        "Sharding spec not found for",
+        "TorchRec's planner (1.8) checks every table of its plan for a sharding spec and logs on "
+        "the root logger for each data_parallel table, which has none by design (it is "
+        "replicated, not sharded).",
+    ),
 ]
 
 
