@@ -205,7 +205,9 @@ def save_artifact(artifact: Any, fmt: str, output: str | Path) -> Path:
         if fmt == "pt2":
             torch.export.save(artifact, f)
         else:
-            torch.jit.save(artifact, f)
+            with warnings.catch_warnings():  # TorchScript: deprecated in torch 2.13, as in trace()
+                warnings.filterwarnings("ignore", "`torch.jit.save`", DeprecationWarning)
+                torch.jit.save(artifact, f)
     tmp.replace(output)
     return output
 
