@@ -95,6 +95,20 @@ class DemoCLI(LightningCLI):
             {"data.num_embeddings": 200, "data.ids_per_feature": 2, "data.train_batches": 4000}
         )
 
+    def parse_arguments(self, parser: Any, args: Any) -> None:
+        """Parses ``args``: the command line less ``--data NAME`` (see :func:`main`).
+
+        LightningCLI warns when it is given ``args`` and the process also has command-line
+        arguments, in case they disagree; here ``args`` is that command line, with only the data
+        choice taken out. ``sys.argv`` itself stays whole: the launcher starts the other ranks
+        with it.
+
+        Args:
+            parser: the CLI's parser.
+            args: the arguments.
+        """
+        self.config = parser.parse_args(args)
+
 
 def split_data_choice(args: list[str]) -> tuple[type[L.LightningDataModule], list[str]]:
     """Takes ``--data NAME`` (or ``--data=NAME``) out of the arguments.
@@ -126,15 +140,12 @@ def main(args: list[str] | None = None) -> DemoCLI:
     """Runs the demo CLI.
 
     Args:
-        args: command-line arguments (defaults to ``sys.argv``).
+        args: command-line arguments (defaults to ``sys.argv[1:]``).
 
     Returns:
         The CLI, with its trainer and model.
     """
-    from_command_line = args is None
     data_class, args = split_data_choice(sys.argv[1:] if args is None else list(args))
-    if from_command_line and args == sys.argv[1:]:
-        args = None  # LightningCLI reads sys.argv itself (and warns when given both)
     cli = DemoCLI(
         DLRMClickModule,
         data_class,

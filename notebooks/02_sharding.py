@@ -22,11 +22,10 @@
 # how to steer it. Planning needs no process group and no GPU: it is arithmetic on sizes.
 
 # %%
-from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 from torchrec.distributed.planner.types import ParameterConstraints
 
 from lightning_torchrec import DLRMClickModule, summarize_plan
-from lightning_torchrec.sharding.planning import default_sharders, make_topology
+from lightning_torchrec.sharding.planning import default_sharders, make_planner, make_topology
 
 # %% [markdown]
 # ## A model with tables of very different sizes
@@ -47,12 +46,14 @@ for name, p in model.named_parameters():
 # ## Plan for 2 CPU processes
 #
 # `make_topology` builds the planner's `Topology` the way the strategy does (world size, processes
-# per host, device). `default_sharders` are the EBC/EC sharders with the fused optimizer settings
-# (row-wise Adagrad unless `fused_params` says otherwise).
+# per host, device), and `make_planner` TorchRec's `EmbeddingShardingPlanner` for it, reserving
+# memory for the dense part from the model's own parameters (TorchRec's default guesses it, wrongly
+# for tables on the meta device, and warns). `default_sharders` are the EBC/EC sharders with the
+# fused optimizer settings (row-wise Adagrad unless `fused_params` says otherwise).
 
 # %%
 sharders = default_sharders(None)
-planner = EmbeddingShardingPlanner(topology=make_topology(2, 2, "cpu"))
+planner = make_planner(model, make_topology(2, 2, "cpu"))
 plan = planner.plan(model, sharders)
 summary = summarize_plan(model, plan, world_size=2)
 print(summary.to_markdown())
@@ -82,7 +83,7 @@ constraints = {
     "t_cat_6": ParameterConstraints(sharding_types=["data_parallel"]),
     "t_cat_7": ParameterConstraints(sharding_types=["data_parallel"]),
 }
-planner = EmbeddingShardingPlanner(topology=make_topology(2, 2, "cpu"), constraints=constraints)
+planner = make_planner(model, make_topology(2, 2, "cpu"), constraints)
 constrained = summarize_plan(model, planner.plan(model, sharders), world_size=2)
 print(constrained.to_markdown())
 
@@ -115,13 +116,13 @@ except ValueError as err:
 # ## The same model on a larger cluster
 #
 # Planning is pure arithmetic, so a laptop can ask how the model would shard on 8 hosts of 8 GPUs:
-# a `Topology` with 64 ranks, 8 per host, on CUDA. The planner now can use row-wise and
+# a topology of 64 ranks, 8 per host, on CUDA. The planner now can use row-wise and
 # table-row-wise sharding (rows split over ranks, or over the GPUs of one host), and the CUDA
 # kernels' costs.
 
 # %%
-big = Topology(world_size=64, compute_device="cuda", local_world_size=8)
-big_plan = EmbeddingShardingPlanner(topology=big).plan(model, sharders)
+big = make_topology(64, 8, "cuda")
+big_plan = make_planner(model, big).plan(model, sharders)
 big_summary = summarize_plan(model, big_plan, world_size=64)
 for t in big_summary.tables:
     print(

@@ -62,7 +62,8 @@ class SaveAtEnd(Callback):
     """Saves a sharded checkpoint on every rank when training ends."""
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        trainer.save_checkpoint(checkpoint)
+        # The full training state (weights_only=False: said, not left to Lightning's default).
+        trainer.save_checkpoint(checkpoint, weights_only=False)
 
 
 data = SyntheticClickData(

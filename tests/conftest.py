@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -26,13 +28,46 @@ def _no_process_group_left_behind() -> Iterator[None]:
     os.environ.update(env)
 
 
+def _module_of(filename: str) -> str | None:
+    """The dotted name of the imported module defined in ``filename``."""
+    for name, module in list(sys.modules.items()):
+        if getattr(module, "__file__", None) == filename:
+            return name
+    return None
+
+
+def _module_or_path(module: str) -> str:
+    """A module regex that also matches the module's file path (without ``.py``).
+
+    ``pytest.warns`` re-emits the warnings it did not expect with ``warnings.warn_explicit`` and
+    no module (pytest 8), so Python names them by their file's path: ``torchrec\\.datasets``
+    must then match ``.../torchrec/datasets``.
+    """
+    path = module.replace(r"\.", "/")
+    return f"({module}|.*/{path})"
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """The package's upstream-warning filters, also inside pytest's per-test warning capture.
 
     pytest discards filters set while it collects (that is when ``lightning_torchrec`` is
     imported), so the one list in ``compat.UPSTREAM_WARNINGS`` is applied as ini filters too.
+    Reading the list imports the package and its dependencies, some of which warn while they are
+    imported: those warnings are recorded and then replayed under the ini filters (pyproject.toml
+    makes deprecations errors), so a warning the list does not name still fails the run.
     """
-    from lightning_torchrec.compat.upstream import UPSTREAM_WARNINGS
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from lightning_torchrec.compat.upstream import UPSTREAM_WARNINGS
 
     for message, category, module, _why in UPSTREAM_WARNINGS:
-        config.addinivalue_line("filterwarnings", f"ignore:{message}:{category.__name__}:{module}")
+        config.addinivalue_line(
+            "filterwarnings", f"ignore:{message}:{category.__name__}:{_module_or_path(module)}"
+        )
+    with warnings.catch_warnings():
+        for message, category, module, _why in UPSTREAM_WARNINGS:
+            warnings.filterwarnings("ignore", message, category, module)
+        for w in caught:
+            warnings.warn_explicit(
+                w.message, w.category, w.filename, w.lineno, module=_module_of(w.filename)
+            )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -35,6 +36,24 @@ def clean_env(**extra: str) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env
+
+
+#: What a warning looks like on stderr: Python's (``file.py:12: UserWarning: ...``, Lightning's
+#: ``file.py:12: message``), a logging record at WARNING (``WARNING:name:``, glog-style ``W1123``
+#: from torch) or any line naming a warning.
+_WARNING_LINE = re.compile(r"\.py:\d+: |^WARNING[: ]|^W\d{4} |Warning", re.MULTILINE)
+
+
+def warning_lines(stderr: str) -> list[str]:
+    """The lines of a process's stderr that are warnings.
+
+    Args:
+        stderr: the captured stderr.
+
+    Returns:
+        The warning lines (empty when the process printed none).
+    """
+    return [line for line in stderr.splitlines() if _WARNING_LINE.search(line)]
 
 
 def run_script(

@@ -90,7 +90,9 @@ def test_dict_mode_and_custom_function() -> None:
     name = "model_and_loss.model.over_arch.model.1.bias"
     _, model = fit([WeightNormCallback({name: l1_norm}, every_n_steps=6)], loggers=[log])
     assert log.last("model/") == {
-        f"model/l1_norm/{name}": pytest.approx(float(model.get_parameter(name).abs().sum()))
+        f"model/l1_norm/{name}": pytest.approx(
+            float(model.get_parameter(name).detach().abs().sum())
+        )
     }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +58,26 @@ def test_columns_map_to_the_batch(tmp_path: Path) -> None:
     assert a.lengths().tolist() == [len(r["a"]) for r in ref[:20]]
     assert a.values().tolist() == [x for r in ref[:20] for x in r["a"]]
     assert b0.sparse_features["b"].values().tolist() == list(range(20))
+
+
+def test_batches_are_made_without_a_warning(tmp_path: Path) -> None:
+    """Labels and weights take Arrow's buffers over (DLPack) instead of torch.from_numpy's
+    read-only views, which warn; they are writable without touching other batches."""
+    write(tmp_path, files=1)
+    ds = ParquetClickDataset(str(tmp_path), DENSE, SPARSE, "label", "w", batch_size=20)
+    warn_always = torch.is_warn_always_enabled()
+    torch.set_warn_always(True)  # torch warns once per process otherwise
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            batches = list(ds)
+    finally:
+        torch.set_warn_always(warn_always)
+    assert [str(w.message) for w in caught] == []
+    batches[0].labels.add_(10)
+    batches[0].weights.mul_(2)
+    assert torch.equal(batches[1].labels, torch.arange(20, 40) % 2 * 1.0)
+    assert torch.equal(batches[1].weights, torch.full((20,), 0.5))
 
 
 def test_missing_or_wrong_columns_are_named(tmp_path: Path) -> None:

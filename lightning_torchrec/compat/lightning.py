@@ -7,12 +7,13 @@ below the glue (``lightning_torchrec.lightning``) imports this module.
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
 from collections.abc import Iterator
 from typing import Any
 
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers.multiprocessing import (
+    _MultiProcessingLauncher,
+    _WorkerOutput,
+)
 from typing_extensions import override
 
 
@@ -75,19 +76,21 @@ class ResultsOnlyLauncher(_MultiProcessingLauncher):
     """Lightning's fork/spawn launcher, minus shipping rank 0's weights back to the parent.
 
     Lightning's launcher (``_MultiProcessingLauncher``, lightning 2.0+) saves rank 0's
-    ``state_dict`` and loads it into the parent's module. A sharded model's state holds only
-    rank 0's shards, and the parent's module is the unsharded one (tables on the meta device), so
-    that load fails. The trainer state, ``callback_metrics`` and the return value still come back;
-    weights are read from checkpoints or loggers.
+    ``state_dict`` with ``torch.save`` and loads it into the parent's module. A sharded model's
+    state holds only rank 0's shards, and the parent's module is the unsharded one (tables on the
+    meta device), so that load fails; pickling the shards' ``ShardedTensor`` also warns that
+    torch deprecates it. The trainer state, ``callback_metrics`` and the return value still come
+    back (``_WorkerOutput``, lightning 2.0+); weights are read from checkpoints or loggers.
     """
 
     @override
     def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
-        out = super()._collect_rank_zero_results(trainer, results)
-        if out is not None and out.weights_path is not None:
-            shutil.rmtree(os.path.dirname(out.weights_path), ignore_errors=True)
-            out = out._replace(weights_path=None)
-        return out
+        if self._strategy.local_rank != 0:
+            return None
+        callback = trainer.checkpoint_callback
+        best_model_path = getattr(callback, "best_model_path", None) if callback else None
+        extra = self.get_extra_results(trainer)
+        return _WorkerOutput(best_model_path, None, trainer.state, results, extra)
 
 
 class ResultsOnlyLaunching:

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
 # The local shape and global offset of a regular DTensor's local tensor; no public equivalent
 # (torch 2.4+; same signature through 2.14).
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.fx.experimental.symbolic_shapes import free_symbols
 from torchrec.optim.keyed import CombinedOptimizer
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "narrow_tensor",
     "UPSTREAM_LOG_RECORDS",
     "UPSTREAM_WARNINGS",
+    "drop_unused_range_constraints",
     "filter_upstream_warnings",
     "fused_kernels",
     "foreach_norm",
@@ -282,6 +284,44 @@ def planner_topology(planner: Any) -> Any:
     return getattr(planner, "_topology", None)
 
 
+def _symbolic_leaves(value: Any) -> list[Any]:
+    """The tensors and symbolic scalars in a node's ``meta["val"]`` (nested lists and tuples)."""
+    if isinstance(value, list | tuple):
+        return [leaf for v in value for leaf in _symbolic_leaves(v)]
+    symbolic = (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)
+    return [value] if isinstance(value, symbolic) else []
+
+
+def drop_unused_range_constraints(program: Any) -> list[str]:
+    """Removes the value ranges of symbols that an exported program's graphs no longer use.
+
+    ``torch.export`` (seen in torch 2.13) keeps the range of every unbacked symbol it created
+    while tracing, also of values the graph then dropped as dead code: the per-key offsets of
+    TorchRec's ``KeyedJaggedTensor`` (``offset_per_key()``: Python ints, one symbol per key and
+    one more), which the quantized EBC's forward never reads. ``torch.export.load`` discards such
+    ranges and logs a warning for each ("Symbol u5 did not appear in the graph that was
+    deserialized"); dropped before saving, the artifact is the same program and loads silently,
+    also in a server that never imports this package. ``ExportedProgram.range_constraints`` has
+    no setter: its dict is edited in place.
+
+    Args:
+        program: a ``torch.export.ExportedProgram``.
+
+    Returns:
+        The dropped symbols (or expressions), as strings.
+    """
+    used: set[Any] = set()
+    for module in program.graph_module.modules():
+        if isinstance(module, torch.fx.GraphModule):
+            for node in module.graph.nodes:
+                used |= set(free_symbols(_symbolic_leaves(node.meta.get("val"))))
+    constraints = program.range_constraints
+    stale = [key for key in constraints if not set(key.free_symbols) <= used]
+    for key in stale:
+        del constraints[key]
+    return [str(key) for key in stale]
+
+
 #: Warnings that only a dependency can fix: (message regex, category, module regex, why). No
 #: colons in the regexes: pytest reads them as ini filters too (tests/conftest.py).
 UPSTREAM_WARNINGS: list[tuple[str, type[Warning], str, str]] = [
@@ -321,6 +361,62 @@ UPSTREAM_WARNINGS: list[tuple[str, type[Warning], str, str]] = [
         "Lightning 2.6's _pytree helper tests isinstance(treespec, LeafSpec), which torch 2.13 "
         "deprecates (it still works).",
     ),
+    (
+        "Your `IterableDataset` has `__len__` defined",
+        UserWarning,
+        r"lightning\.pytorch\.utilities\.data",
+        "Lightning 2.6 warns for every DataLoader of an IterableDataset with a length, in case "
+        "its workers duplicate data. The Criteo and Parquet datasets deal their batches to the "
+        "(rank, worker) readers themselves and give every reader the same count, so the length "
+        "is exact; it is what fractional val_check_interval, progress totals and the resume "
+        "position need. (Also silences it for other iterable datasets in the process.)",
+    ),
+    (
+        "The given NumPy array is not writable",
+        UserWarning,
+        r"torchrec\.datasets\.criteo",
+        "TorchRec's InMemoryBinaryCriteoIterDataPipe (mmap_mode) wraps slices of its read-only "
+        "memory-mapped npy files with torch.from_numpy; the Criteo reader clones the dense rows "
+        "and converts the labels, and never writes to them.",
+    ),
+    (
+        r"torch\.ao\.quantization is deprecated",
+        DeprecationWarning,
+        r"(torchrec\.inference\.modules|torch\.ao\.quantization\..*)",
+        "TorchRec 1.8's quantize_embeddings (its own inference quantization, which the tests "
+        "compare the export with bit for bit) calls torch.ao.quantization.quantize_dynamic, "
+        "which torch 2.13 deprecates, as its own internal calls; the export does not use it.",
+    ),
+    # Raised while the dependencies are imported (hidden by Python's default filters, shown by
+    # pytest and -W): listed for the tests, which make every other deprecation an error.
+    (
+        r"\x1b\[93m\s+Failed to import",
+        DeprecationWarning,
+        r"fbgemm_gpu\.split_embedding_codegen_lookup_invokers",
+        "fbgemm-gpu-cpu 1.8 imports its SSD optimizer lookups, which the CPU wheel does not ship, "
+        "and reports each missing one as a DeprecationWarning.",
+    ),
+    (
+        r"\x1b\[93m\s+The Python module fbgemm_gpu\.split_table_batched_embeddings_ops is now",
+        DeprecationWarning,
+        r"fbgemm_gpu\.split_table_batched_embeddings_ops",
+        "TorchRec 1.8 (distributed.model_tracker) imports fbgemm's deprecated "
+        "split_table_batched_embeddings_ops module.",
+    ),
+    (
+        "distutils Version classes are deprecated",
+        DeprecationWarning,
+        r"torchmetrics\.utilities\.imports",
+        "torchmetrics 1.0 (the oldest supported) compares versions with distutils' LooseVersion "
+        "when imported.",
+    ),
+    (
+        "`torch.jit.script_method` is deprecated",
+        DeprecationWarning,
+        r"torch\.jit\._script",
+        "torch 2.13's own torch.utils.mkldnn, imported by the first torch.compile, defines its "
+        "modules with torch.jit.script_method, which torch 2.13 deprecates.",
+    ),
 ]
 
 #: Log records of dependencies silenced the same way: (logger, message start, why).
@@ -330,6 +426,13 @@ UPSTREAM_LOG_RECORDS: list[tuple[str, str, str]] = [
         "is_fx_tracing will return true for both",
         "TorchRec's sharded modules call torch.fx's is_fx_tracing() in every forward; torch 2.13 "
         "logs once per process that its meaning widened (TorchRec does not trace there).",
+    ),
+    (
+        "root",
+        "Sharding spec not found for",
+        "TorchRec's planner (1.8) checks every table of its plan for a sharding spec and logs on "
+        "the root logger for each data_parallel table, which has none by design (it is "
+        "replicated, not sharded).",
     ),
 ]
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -143,16 +142,16 @@ class CriteoIterableDataset(ResumableIterableDataset):
             hashes=self.hashes,
         )
         np.random.set_state(numpy_state)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*non-writable.*")
-            for i, b in enumerate(pipe):
-                if i < skip:
-                    continue
-                yield Batch(
-                    dense_features=b.dense_features.clone(),
-                    sparse_features=b.sparse_features,
-                    labels=b.labels.to(torch.float32),
-                )
+        # TorchRec wraps its read-only memory maps with torch.from_numpy (compat.upstream
+        # filters its warning): the dense rows are cloned, the labels converted, before use.
+        for i, b in enumerate(pipe):
+            if i < skip:
+                continue
+            yield Batch(
+                dense_features=b.dense_features.clone(),
+                sparse_features=b.sparse_features,
+                labels=b.labels.to(torch.float32),
+            )
 
 
 class CriteoDataModule(ResumableDataModule):

@@ -102,8 +102,19 @@ def _ids(array: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
     return values, lengths
 
 
-def _number(array: pa.ChunkedArray) -> np.ndarray:
-    return pc.fill_null(array.cast(pa.float32()), 0.0).to_numpy()
+def _number(array: pa.ChunkedArray) -> pa.Array:
+    """A number column as one float32 array without nulls (null is 0)."""
+    return pc.fill_null(array.cast(pa.float32()), 0.0).combine_chunks()
+
+
+def _number_tensor(array: pa.ChunkedArray) -> torch.Tensor:
+    """A number column as a float32 tensor sharing the Arrow buffer (no copy).
+
+    ``torch.from_numpy`` of Arrow's read-only NumPy view would warn that the tensor is writable
+    while its memory is not; DLPack hands the buffer over instead. That buffer is the row
+    group's own (decoded from the file) or the cast's: nothing else reads these rows.
+    """
+    return torch.from_dlpack(_number(array))
 
 
 class ParquetClickDataset(ResumableIterableDataset):
@@ -203,7 +214,8 @@ class ParquetClickDataset(ResumableIterableDataset):
         Returns:
             The batch.
         """
-        dense = np.stack([_number(table.column(c)) for c in self.dense_columns], axis=1)
+        # np.stack copies the columns into one writable [batch, dense] array.
+        dense = np.stack([_number(table.column(c)).to_numpy() for c in self.dense_columns], 1)
         values, lengths = [], []
         for f, column in enumerate(self.sparse_columns):
             v, n = _ids(table.column(column))
@@ -211,7 +223,7 @@ class ParquetClickDataset(ResumableIterableDataset):
             lengths.append(n)
         weights = None
         if self.weight_column is not None:
-            weights = torch.from_numpy(_number(table.column(self.weight_column)))
+            weights = _number_tensor(table.column(self.weight_column))
         return Batch(
             dense_features=torch.from_numpy(dense),
             sparse_features=KeyedJaggedTensor.from_lengths_sync(
@@ -219,7 +231,7 @@ class ParquetClickDataset(ResumableIterableDataset):
                 values=torch.from_numpy(np.concatenate(values)),
                 lengths=torch.from_numpy(np.concatenate(lengths)),
             ),
-            labels=torch.from_numpy(_number(table.column(self.label_column))),
+            labels=_number_tensor(table.column(self.label_column)),
             weights=weights,
         )
 

@@ -44,6 +44,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_torchrec.checkpoint.outputs import USER_ERRORS, OwnedTemp, check_output, user_error
 from lightning_torchrec.checkpoint.signing import read_key_file
+from lightning_torchrec.compat.upstream import drop_unused_range_constraints
 from lightning_torchrec.export.quantize import (
     DTYPES,
     quantize_from_checkpoint,
@@ -182,6 +183,9 @@ def trace(model: nn.Module, fmt: str, args: tuple[Any, ...] | None) -> Any:
         program = torch.export.export(model, args, dynamic_shapes=_dynamic_shapes(args))
     # The example inputs would be pickled into the file (a KJT: not weights-only loadable).
     program.example_inputs = None
+    # Ranges of the ints TorchRec's KJT computes and the graph drops: torch.export.load would
+    # log a warning for each (one per feature, and one more).
+    drop_unused_range_constraints(program)
     return program
 
 
@@ -202,7 +206,9 @@ def save_artifact(artifact: Any, fmt: str, output: str | Path) -> Path:
         if fmt == "pt2":
             torch.export.save(artifact, f)
         else:
-            torch.jit.save(artifact, f)
+            with warnings.catch_warnings():  # TorchScript: deprecated in torch 2.13, as in trace()
+                warnings.filterwarnings("ignore", "`torch.jit.save`", DeprecationWarning)
+                torch.jit.save(artifact, f)
     return output
 
 

@@ -122,9 +122,12 @@ def build_module(
             "not a LightningModule (or torch.nn.Module) subclass; it is not built from the "
             "checkpoint's hyper-parameters"
         )
-    hparams = load_meta(checkpoint, key=key).get("hyper_parameters") or {}
-    if not isinstance(hparams, dict) or not all(isinstance(k, str) for k in hparams):
+    saved = load_meta(checkpoint, key=key).get("hyper_parameters") or {}
+    if not isinstance(saved, dict) or not all(isinstance(k, str) for k in saved):
         raise TypeError(f"{checkpoint}: its hyper_parameters are not a dict of arguments")
+    # LightningCLI (the demo) saves how it built the module next to its arguments, under keys
+    # with a leading underscore, which no argument has.
+    hparams = {k: v for k, v in saved.items() if not k.startswith("_")}
     try:
         return cls(**hparams)
     except TypeError as err:
