@@ -10,7 +10,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_torchrec.checkpoint import is_sharded_checkpoint, load_unsharded
 from lightning_torchrec.checkpoint.consolidate import consolidate, load_plain_weights
-from lightning_torchrec.compat.upstream import filter_upstream_warnings
+from lightning_torchrec.compat.upstream_warnings import filter_upstream_warnings
 from lightning_torchrec.data import Batch, SyntheticClickData
 from lightning_torchrec.errors import (
     BatchValidationError,

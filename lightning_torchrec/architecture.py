@@ -50,7 +50,7 @@ LAYERS: tuple[Layer, ...] = (
         "compat",
         "every private or version-sensitive name of torch, TorchRec, fbgemm (``upstream``) and "
         "Lightning (``lightning``); TorchRec's train pipelines cut where a loop takes over "
-        "(``pipelines``); the upstream-only warnings, each with its cause",
+        "(``pipelines``); the upstream-only warnings, each with its cause (``upstream_warnings``)",
         ("errors",),
     ),
     Layer(

@@ -58,7 +58,7 @@ def pytest_configure(config: pytest.Config) -> None:
     """
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        from lightning_torchrec.compat.upstream import UPSTREAM_WARNINGS
+        from lightning_torchrec.compat.upstream_warnings import UPSTREAM_WARNINGS
 
     for message, category, module, _why in UPSTREAM_WARNINGS:
         config.addinivalue_line(

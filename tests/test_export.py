@@ -23,7 +23,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import lightning_torchrec.export.quantize as quantize_module
 from lightning_torchrec.checkpoint import load_unsharded
-from lightning_torchrec.compat.upstream import UPSTREAM_LOG_RECORDS
+from lightning_torchrec.compat.upstream_warnings import UPSTREAM_LOG_RECORDS
 from lightning_torchrec.errors import CheckpointMismatchError
 from lightning_torchrec.export.artifact import DTYPES, export, main, quantize_from_checkpoint
 from lightning_torchrec.lightning.dlrm import DLRMClickModule
@@ -102,7 +102,7 @@ def _serve(tmp: Path, artifacts: list[Path], batches: list[Any]) -> dict[str, to
     assert "weights_only=False" not in proc.stderr, proc.stderr[-3000:]  # nothing unpickled
     # No "Symbol u5 did not appear in the graph" per symbol the trace dropped. What is left is
     # torch's one line when the first KeyedJaggedTensor is built (TorchRec's KJT asks
-    # is_fx_tracing(); compat.upstream.UPSTREAM_LOG_RECORDS), which docs/export.md shows.
+    # is_fx_tracing(); compat.upstream_warnings.UPSTREAM_LOG_RECORDS), which docs/export.md shows.
     upstream = [start for _, start, _ in UPSTREAM_LOG_RECORDS]
     unexpected = [x for x in warning_lines(proc.stderr) if not any(s in x for s in upstream)]
     assert unexpected == [], proc.stderr[-3000:]
@@ -239,7 +239,7 @@ def test_module_built_from_the_hyper_parameters_a_cli_saved(
     """LightningCLI (the demo) saves ``_instantiator`` with the module's arguments."""
     hparams = {"num_embeddings_per_feature": [ROWS] * 2, "embedding_dim": 8}
     meta = {"hyper_parameters": {**hparams, "_instantiator": "lightning.pytorch.cli.x"}}
-    monkeypatch.setattr(quantize_module, "load_meta", lambda path: meta)
+    monkeypatch.setattr(quantize_module, "load_meta", lambda path, **kwargs: meta)
     module = quantize_module.build_module("ckpt", MODULE)
     assert isinstance(module, DLRMClickModule)
     assert module.hparams["embedding_dim"] == 8

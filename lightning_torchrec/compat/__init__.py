@@ -1,6 +1,6 @@
 """Every private or version-sensitive name of torch, TorchRec, fbgemm and Lightning.
 
-``upstream`` holds torch's, TorchRec's and fbgemm's (and the warnings only they can fix);
-``lightning`` holds Lightning's, for the glue alone; ``pipelines`` subclasses TorchRec's train
-pipelines where Lightning's loop takes over. Nothing else in the package touches a private name.
+``upstream`` holds torch's, TorchRec's and fbgemm's; ``upstream_warnings`` the warnings only they
+can fix, each with its cause; ``lightning`` holds Lightning's, for the glue alone; ``pipelines``
+subclasses TorchRec's train pipelines where Lightning's loop takes over. Nothing else in the package touches a private name.
 """
