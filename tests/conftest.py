@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import warnings
@@ -24,6 +25,10 @@ def _no_process_group_left_behind() -> Iterator[None]:
 
     if dist.is_initialized():
         dist.destroy_process_group()
+    # Finalize the file's process groups here: left to a later collection, one may be finalized
+    # in a forked DataLoader worker, where ProcessGroupGloo's destructor waits for its threads,
+    # which the fork did not copy, forever.
+    gc.collect()
     os.environ.clear()
     os.environ.update(env)
 
