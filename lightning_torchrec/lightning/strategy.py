@@ -9,6 +9,7 @@ table update), ``_configure_launcher`` (fork/spawn bring results back without we
 
 from __future__ import annotations
 
+import gc
 import logging
 from datetime import timedelta
 from typing import Any, Literal
@@ -335,6 +336,11 @@ class TorchRecStrategy(
         if self._host_group is not None:
             dist.destroy_process_group(self._host_group)
             self._host_group = None
+        # Finalize what this run dropped (pipelines, their process-group handles) here, in this
+        # process: left to a later collection, a ProcessGroupGloo can be finalized in a forked
+        # DataLoader worker of the next run, whose destructor then waits forever for threads the
+        # fork did not copy (the hang of a multi-worker loader after a pipelined fit).
+        gc.collect()
         # The sharded model stays in place: a later validate/test/predict reuses it.
         with model_kept_in_place(self):
             super().teardown()
