@@ -126,7 +126,11 @@ def test_pipeline_variants_all_measured(results: Path) -> None:
         assert 0 < sized[variant]["memory_bandwidth_fraction"] < 1
         assert sized[variant]["ratio_to_best_raw"] > 0
     assert sized["raw_base"]["ratio_to_raw_base"] == 1.0
-    assert min(sized[v]["ratio_to_best_raw"] for v in ("raw_base", "raw_sparse_dist")) == 1.0
+    # The best raw loop (whichever it is on this run) is the unit of every ratio.
+    raws = [v for v in sized if v.startswith("raw_")]
+    assert {"raw_base", "raw_sparse_dist"} <= set(raws)
+    assert min(sized[v]["ratio_to_best_raw"] for v in raws) == 1.0
+    assert all(sized[v]["ratio_to_best_raw"] >= 1.0 for v in raws)
     limit = sized["physical_limit"]
     assert limit["bytes_per_step"] > 0 and limit["bytes_per_s"] > 1e8
 
