@@ -9,8 +9,9 @@
 * ``trainer_parity``: the strategy's defaults, Lightning's extras off;
 * ``- checks``: ``validate_batches=False``, ``on_nonfinite_loss="ignore"`` (the strategy's
   per-step vote is then skipped);
-* ``- sigterm``: also without Lightning's per-step SIGTERM broadcast (``_broadcast_sigterm_tensor``:
-  one ``broadcast`` and one ``.item()`` per step; patched out here only, to measure it);
+* ``- vote``: also without the per-step vote, which the strategy keeps when its checks are off
+  to carry Lightning's SIGTERM flag (it takes over Lightning's ``_broadcast_sigterm_tensor``:
+  one ``broadcast`` and one ``.item()`` per step); patched out here only, to measure it;
 * ``- log``: also without the module's ``self.log("train/loss")`` (Lightning's result
   collection per logged value).
 
@@ -42,8 +43,8 @@ VARIANTS = [
     "trainer_defaults",
     "trainer_parity",
     "trainer_parity - checks",
-    "trainer_parity - checks - sigterm",
-    "trainer_parity - checks - sigterm - log",
+    "trainer_parity - checks - vote",
+    "trainer_parity - checks - vote - log",
     "raw_base",
 ]
 
@@ -51,29 +52,31 @@ VARIANTS = [
 @contextlib.contextmanager
 def patched(obj: Any, name: str, value: Any) -> Iterator[None]:
     """Sets ``obj.name`` to ``value`` within (for this benchmark's what-if variants only)."""
-    old = getattr(obj, name)
+    missing = object()
+    old = obj.__dict__.get(name, missing)
     setattr(obj, name, value)
     try:
         yield
     finally:
-        setattr(obj, name, old)
+        if old is missing:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, old)
 
 
 def run_variant(variant: str, size: Any, data: Any, steps: int, warmup: int) -> list[float]:
     """One run of ``variant``: its per-step host times."""
-    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
-
     from lightning_torchrec.lightning.module import TorchRecModule
+    from lightning_torchrec.training.step_guard import StepGuard
 
     setup = Setup()
     if variant == "raw_base":
         return raw_run(size, data, steps, False, setup, warmup).times[warmup:]
     extra = NO_CHECKS if "- checks" in variant else {}
     with contextlib.ExitStack() as stack:
-        if "- sigterm" in variant:
-            stack.enter_context(
-                patched(_TrainingEpochLoop, "_broadcast_sigterm_tensor", lambda self: None)
-            )
+        if "- vote" in variant:  # never True, and assignments ignored: no flag, no vote
+            never = property(lambda self: False, lambda self, value: None)
+            stack.enter_context(patched(StepGuard, "carries_stop", never))
         if "- log" in variant:
             stack.enter_context(
                 patched(TorchRecModule, "_log_train_loss", lambda self, loss, n: None)

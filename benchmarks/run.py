@@ -112,8 +112,8 @@ def step_cost_table(out: Path) -> list[str]:
         "## What the Trainer adds to a step, piece by piece (CPU, 2 gloo ranks)",
         "",
         f"{_size(r['size'])}; {r['rounds']} interleaved rounds; step = median over rounds of each "
-        "round's median (IQR over rounds). Each row removes one more piece; `- sigterm` patches "
-        "out Lightning's per-step SIGTERM broadcast in the benchmark only (the strategy cannot). "
+        "round's median (IQR over rounds). Each row removes one more piece; `- vote` patches out "
+        "the per-step vote that carries Lightning's SIGTERM flag (in the benchmark only). "
         "`python -m benchmarks.lightning_step_cost`.",
         "",
         "| variant | step | ratio to raw | extra per step |",

@@ -34,6 +34,17 @@ class Preempted(SystemExit):
     """Raised on every rank after the preemption checkpoint was written."""
 
 
+class StopRequested(Exception):
+    """Some rank asked every rank to stop before a training step (e.g. it received SIGTERM).
+
+    Raised on every rank at the same step by the step's vote; ``ranks`` are the ranks that asked.
+    """
+
+    def __init__(self, ranks: list[int]) -> None:
+        super().__init__(f"rank(s) {ranks} asked to stop")
+        self.ranks = ranks
+
+
 class RankFailureError(RuntimeError):
     """Another rank failed with an error that could not be re-created here; names the rank."""
 

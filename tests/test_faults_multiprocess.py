@@ -51,6 +51,17 @@ def test_nan_loss_on_rank1_raises_on_both_ranks_naming_step_and_rank(phases: Pat
     assert "this rank: nan" in r1["message"]
 
 
+def test_sigterm_on_one_rank_stops_every_rank_at_the_same_step_without_a_broadcast(
+    phases: Path,
+) -> None:
+    r0, r1 = load_ranks(phases, "sigterm_flag")
+    # Lightning's own handling would broadcast rank 0's flag every step (missing rank 1's) and
+    # stop rank 1 alone after its step; the flag rides in the strategy's step vote instead.
+    assert r0["error"] == r1["error"] == "SIGTERMException"
+    assert r0["global_step"] == r1["global_step"] == 3  # step 3 never ran, on either rank
+    assert r0["broadcasts"] == r1["broadcasts"] == 0
+
+
 def test_nan_weights_are_never_saved_and_the_previous_checkpoint_survives(phases: Path) -> None:
     r0, r1 = load_ranks(phases, "nan_ckpt")
     assert r0["error"] == r1["error"] == "NonFiniteCheckpointError"

@@ -7,7 +7,7 @@ below the glue (``lightning_torchrec.lightning``) imports this module.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from lightning.pytorch.strategies.launchers.multiprocessing import (
@@ -30,6 +30,34 @@ def layer_sync(strategy: Any) -> Any:
         The plugin, or None.
     """
     return getattr(strategy, "_layer_sync", None)
+
+
+def take_over_sigterm_broadcast(trainer: Any) -> Callable[[], None]:
+    """Stops the fit loop's per-step SIGTERM broadcast; returns what undoes that.
+
+    Before every training step of a multi-rank run, ``_TrainingEpochLoop.advance`` (lightning
+    2.2+) calls ``_broadcast_sigterm_tensor``: a ``broadcast`` of rank 0's
+    ``trainer.received_sigterm`` on the default group and an ``.item()`` of the result, so on
+    CUDA one GPU-to-host synchronisation per step. A strategy whose step already runs one vote
+    on every rank (on a host group) carries the flag in that vote instead and calls this.
+
+    Args:
+        trainer: the Trainer about to fit.
+
+    Returns:
+        A function that restores Lightning's broadcast (call it in teardown).
+    """
+    loop = trainer.fit_loop.epoch_loop
+    loop._broadcast_sigterm_tensor = _no_broadcast
+
+    def undo() -> None:
+        loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+
+    return undo
+
+
+def _no_broadcast() -> None:
+    """The SIGTERM broadcast, taken over by the strategy's step vote."""
 
 
 def processed_epochs(trainer: Any) -> int:

@@ -10,10 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from lightning_torchrec.compat.lightning import is_last_batch
 from lightning_torchrec.distributed import run_collective
+from lightning_torchrec.errors import StopRequested
 from lightning_torchrec.training.optim import DenseAndFusedOptimizer
 from lightning_torchrec.training.step_runner import StepRunner
 
@@ -62,7 +64,12 @@ class StepHooks:
         def run(device_batch: Any) -> Any:
             return parent.training_step(device_batch, *args[1:], **kwargs)
 
-        return self._runner.train_step(batch, batch_idx, step, last, run, self._move)
+        stop = bool(getattr(trainer, "received_sigterm", False))
+        try:
+            return self._runner.train_step(batch, batch_idx, step, last, run, self._move, stop)
+        except StopRequested:
+            # Every rank stops at the same step, as after Lightning's own SIGTERM broadcast.
+            raise SIGTERMException() from None
 
     def _eval_step(self, step_fn: Any, stage: str, args: Any, kwargs: Any) -> Any:
         assert self._runner is not None

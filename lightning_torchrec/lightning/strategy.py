@@ -31,6 +31,7 @@ from lightning_torchrec.compat.lightning import (
     ResultsOnlyLaunching,
     layer_sync,
     model_kept_in_place,
+    take_over_sigterm_broadcast,
 )
 from lightning_torchrec.lightning.checkpoint_hooks import ShardedCheckpointing
 from lightning_torchrec.lightning.data_hooks import DataHooks
@@ -194,6 +195,7 @@ class TorchRecStrategy(
         self._on_nonfinite_loss = on_nonfinite_loss
         self._runner: StepRunner | None = None
         self._host_group: Any = None
+        self._undo_sigterm: Any = None
         self._dmp: DistributedModelParallel | None = None
         self._plan: ShardingPlan | None = None
         self.plan_summary: PlanSummary | None = None
@@ -306,6 +308,11 @@ class TorchRecStrategy(
         )
         if fitting:
             self._runner.start_fit()
+            if self.world_size > 1 and self._undo_sigterm is None:
+                # Lightning's per-step SIGTERM broadcast (an extra collective, and a GPU sync
+                # on CUDA) rides in the step's vote instead.
+                self._runner.guard.carries_stop = True
+                self._undo_sigterm = take_over_sigterm_broadcast(trainer)
         return sharded.dmp
 
     def _pipeline_for(self, trainer: L.Trainer, fitting: bool) -> str | None:
@@ -333,6 +340,9 @@ class TorchRecStrategy(
     def teardown(self) -> None:
         if self._runner is not None:
             self._runner.close()
+        if self._undo_sigterm is not None:
+            self._undo_sigterm()
+            self._undo_sigterm = None
         if self._host_group is not None:
             dist.destroy_process_group(self._host_group)
             self._host_group = None

@@ -24,16 +24,16 @@ from typing import Any
 import torch
 
 from lightning_torchrec.compat.upstream import ShardedTensor
-from lightning_torchrec.distributed import agree, all_gather, rank_and_world_size
+from lightning_torchrec.distributed import agree, rank_and_world_size
 from lightning_torchrec.errors import (
     BatchValidationError,
     NonFiniteLossError,
-    UnevenDataError,
 )
 from lightning_torchrec.sharding.layout import shard_info
 from lightning_torchrec.sharding.tables import FeatureSpec
 from lightning_torchrec.training.batch_checks import check_batch
 from lightning_torchrec.training.device_checks import DeferredVerdict
+from lightning_torchrec.training.uneven_data import check_even
 from lightning_torchrec.training.worker_checks import (
     UNCHECKED,
     VERDICT_ATTRIBUTE,
@@ -85,6 +85,9 @@ class StepGuard:
         token: str | None = None,
         deferred: bool = False,
     ) -> None:
+        #: Whether the training step's vote runs every step to carry a stop request (see
+        #: :meth:`before_training_step`); set by a front end that stops on a signal.
+        self.carries_stop = False
         self.on_nonfinite_loss = on_nonfinite_loss
         self.device = device
         self.validate_batches = validate_batches
@@ -130,7 +133,8 @@ class StepGuard:
         last: bool,
         ahead: list[tuple[int, Any]] | None = None,
         device_batch: Any = None,
-    ) -> None:
+        stop: bool = False,
+    ) -> list[int]:
         """The training step's checks, in one collective (see :meth:`check`).
 
         Args:
@@ -141,6 +145,11 @@ class StepGuard:
             ahead: with a train pipeline, the batches to check instead of ``batch``: those its
                 next ``progress()`` sends before their own step (``(index, batch)`` pairs).
             device_batch: the batch on the device, for a ``deferred`` guard.
+            stop: whether this rank asks every rank to stop before this step (e.g. it received
+                SIGTERM); decided in the same collective when :attr:`carries_stop` is set.
+
+        Returns:
+            The ranks that asked to stop (the same on every rank; empty when none did).
         """
         checked = self._checks(step)
         had, earlier = self._take_deferred()
@@ -155,7 +164,8 @@ class StepGuard:
             else:  # a worker checked it: judged now; the same pending state on every rank
                 verdict = self._verdict(batch, f"step {step}")
                 deferred.submit_known()
-        self.check(earlier or verdict, checked or had, last, batch_idx)
+        voting = checked or had or self.carries_stop
+        return self.check(earlier or verdict, voting, last, batch_idx, stop and self.carries_stop)
 
     def _worker_problem(self, batch: Any) -> Any:
         if self.token is None:
@@ -258,18 +268,23 @@ class StepGuard:
         batch_checked: bool,
         last_batch: bool = False,
         batch_idx: int = 0,
-    ) -> None:
+        stop: bool = False,
+    ) -> list[int]:
         """Raises on every rank if any rank's batch or previous loss was bad. Collective.
 
         Whether this is the rank's last batch of the epoch rides along in the same collective:
         ranks that disagree have different numbers of batches, and would otherwise hang in the
-        next step's collectives.
+        next step's collectives. So does a request to stop.
 
         Args:
             batch_error: this rank's validation error for the coming step, or None.
             batch_checked: whether batches are validated at this step (the same on every rank).
             last_batch: whether this rank has no batch after this one in the epoch.
             batch_idx: the batch's index in the epoch, for the message.
+            stop: whether this rank asks every rank to stop.
+
+        Returns:
+            The ranks that asked to stop (empty when no vote ran).
 
         Raises:
             BatchValidationError: on every rank when any rank's batch is bad (the failing rank
@@ -279,15 +294,16 @@ class StepGuard:
         """
         pending, self._pending = self._pending, None
         if not batch_checked and pending is None:
-            return
+            return []
         if pending is not None and self._copied is not None:
             self._copied.synchronize()  # the step's copy finished long ago; no stall
             self._copied = None
         error = _nonfinite_loss_error(pending)
-        (last,) = agree(
-            batch_error, error, flags=[last_batch], device=self.device, group=self.group
+        last, stopping = agree(
+            batch_error, error, flags=[last_batch, stop], device=self.device, group=self.group
         )
         check_even(last, "training", batch_idx)
+        return stopping
 
     def flush(self) -> None:
         """Judges the last step's loss and batch (call at the end of training, on every rank)."""
@@ -304,61 +320,6 @@ def _nonfinite_loss_error(pending: tuple[int, torch.Tensor] | None) -> NonFinite
         f"{float(value[0])}). That step's update was applied, so the in-memory weights may be "
         "non-finite; checkpoints refuse non-finite values and the last one is intact. Check the "
         "batch (NaN features, extreme labels/weights) and lower the learning rate."
-    )
-
-
-def check_even(last_ranks: list[int], stage: str, batch_idx: int) -> None:
-    """Raises when only some ranks are at their last batch (call with an agreed rank list).
-
-    Args:
-        last_ranks: the ranks at their last batch of the epoch (from :func:`agree`'s flags).
-        stage: ``"training"``, ``"validation"``, ...
-        batch_idx: the index of the batch all ranks are at.
-
-    Raises:
-        UnevenDataError: naming the ranks and their batch counts, the same on every rank.
-    """
-    _, world = rank_and_world_size()
-    if not last_ranks or len(last_ranks) == world:
-        return
-    others = [r for r in range(world) if r not in last_ranks]
-    raise UnevenDataError(
-        f"the ranks have different numbers of {stage} batches in this epoch: rank(s) "
-        f"{last_ranks} have {batch_idx + 1}, rank(s) {others} have more. Every rank must get "
-        "the same number of batches (sharded tables run collectives in every step): use "
-        "Lightning's distributed sampler (use_distributed_sampler=True pads the last batches), "
-        "split iterable datasets evenly per rank, or drop the remainder."
-    )
-
-
-def check_counts(count: float, stage: str) -> None:
-    """Raises on every rank when the ranks' known batch counts differ. Collective.
-
-    Sized dataloaders are compared this way before the first step; unknown counts (``inf``) are
-    compared batch by batch in the step's collective.
-
-    Args:
-        count: this rank's number of batches (``inf`` when unknown).
-        stage: ``"training"``, ``"validation"``, ``"test"`` or ``"predict"``.
-
-    Raises:
-        UnevenDataError: naming every rank's count, the same on every rank.
-    """
-    counts = all_gather(float(count))
-    known = [c for c in counts if c != float("inf")]
-    if len(set(known)) <= 1:
-        return
-    listed = ", ".join(f"rank {r}: {c:g}" for r, c in enumerate(counts))
-    fix = (
-        "make the number of predict batches a multiple of the number of ranks (pad the "
-        "dataset), or predict on one device"
-        if stage == "predict"
-        else "use Lightning's distributed sampler (use_distributed_sampler=True pads the last "
-        "batches), or give every rank as many batches"
-    )
-    raise UnevenDataError(
-        f"the ranks have different numbers of {stage} batches ({listed}). Sharded tables run "
-        f"collectives in every step, so the shorter ranks would leave the others waiting: {fix}."
     )
 
 

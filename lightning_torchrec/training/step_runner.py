@@ -27,9 +27,11 @@ import torch
 from torch import nn
 
 from lightning_torchrec.distributed import run_collective
+from lightning_torchrec.errors import StopRequested
 from lightning_torchrec.sharding.tables import FeatureSpec
 from lightning_torchrec.training.pipelines import SemiSyncPipeline, SparseDistPipeline
-from lightning_torchrec.training.step_guard import StepGuard, check_counts
+from lightning_torchrec.training.step_guard import StepGuard
+from lightning_torchrec.training.uneven_data import check_counts
 from lightning_torchrec.training.worker_checks import check_in_workers
 
 #: When a training batch is checked (see :class:`StepRunner`).
@@ -178,6 +180,7 @@ class StepRunner:
         last: bool,
         run: Callable[[Any], Any],
         move: Callable[[Any], Any],
+        stop: bool = False,
     ) -> Any:
         """One training step: the agreed checks, then the forward (pipelined or not).
 
@@ -189,15 +192,24 @@ class StepRunner:
             last: whether this rank has no batch after this one in the epoch.
             run: runs the training step's forward on a device batch and returns its output.
             move: copies a host batch to the device (when a pipeline falls back).
+            stop: whether this rank asks every rank to stop before this step (it received a
+                signal); decided in the step's vote when ``guard.carries_stop`` is set.
 
         Returns:
             What ``run`` returned.
+
+        Raises:
+            StopRequested: on every rank, before the forward, when some rank asked to stop.
         """
         host = self._checked(batch)
         pipeline = self.training
         ahead = pipeline.ahead(batch_idx) if pipeline is not None else None
         guard = self.guard
-        self.collective(guard.before_training_step, host, step, batch_idx, last, ahead, batch)
+        stopping = self.collective(
+            guard.before_training_step, host, step, batch_idx, last, ahead, batch, stop
+        )
+        if stopping:
+            raise StopRequested(stopping)
         if pipeline is None:
             output = self.collective(run, batch)
         else:

@@ -4,8 +4,9 @@
 
 * ``phases``: one launch, several trainers: (1) only rank 1's loader yields a batch with an
   out-of-range id at step 2; (2) only rank 1's loss is NaN at step 3; (3) only rank 1's table
-  turns NaN just before the second checkpoint. Each rank records what it raised in
-  ``{phase}_rank{r}.pt``.
+  turns NaN just before the second checkpoint; (4) only rank 1's Trainer has
+  ``received_sigterm`` set (as by Lightning's SIGTERM handler) before step 3. Each rank records
+  what it raised in ``{phase}_rank{r}.pt``.
 * ``kill``: rank 1 SIGKILLs itself at step 3; rank 0 must exit non-zero within the timeout.
 * ``preempt``: rank 1 receives SIGTERM at step 5: every rank saves ``OUT/preempted.ckpt`` and
   exits; ``resume`` (or ``phases``, first, when that checkpoint exists) continues from it to
@@ -27,6 +28,7 @@ import torch
 # sibling module (script directory)
 from factory import cpu_trainer, table_wise, tiny_data, tiny_dlrm
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_torchrec import DLRMClickModule, TorchRecStrategy
 from lightning_torchrec.lightning.preemption import PreemptionCheckpoint
@@ -60,6 +62,8 @@ class RankOneFault(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
         elif self.fault == "sigterm":
             os.kill(os.getpid(), signal.SIGTERM)
+        elif self.fault == "sigterm_flag":  # what Lightning's SIGTERM handler sets
+            trainer._signal_connector.received_sigterm = True
 
 
 class BadIdOnRankOne:
@@ -123,6 +127,14 @@ def run(
         callbacks=[RankOneFault(fault, at), steps, *(extra or [])],
     )
     result: dict[str, Any] = {"error": None, "message": ""}
+    broadcasts = [0]
+    broadcast = torch.distributed.broadcast
+
+    def counted(*args: Any, **kwargs: Any) -> Any:  # Lightning's loop calls it by this name
+        broadcasts[0] += 1
+        return broadcast(*args, **kwargs)
+
+    torch.distributed.broadcast = counted
     try:
         if fault == "bad_id":
             data.setup("fit")
@@ -130,12 +142,14 @@ def run(
             trainer.fit(model, train_dataloaders=loader, ckpt_path=ckpt_path)
         else:
             trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
-    except Exception as e:  # recorded for the parent's assertions
+    except (Exception, SIGTERMException) as e:  # recorded for the parent's assertions
         result = {"error": type(e).__name__, "message": str(e)}
         if MODE == "kill":
             torch.save(result, OUT / f"{phase}_rank{trainer.global_rank}.pt")
             raise
-    result.update(steps=steps.steps, global_step=trainer.global_step)
+    finally:
+        torch.distributed.broadcast = broadcast
+    result.update(steps=steps.steps, global_step=trainer.global_step, broadcasts=broadcasts[0])
     torch.save(result, OUT / f"{phase}_rank{trainer.global_rank}.pt")
     return result
 
@@ -147,6 +161,7 @@ def main() -> None:
             run("resume", "", at=-1, max_steps=8, ckpt_path=OUT / "preempted.ckpt")
         run("bad_id", "bad_id", at=2)
         run("nan_raise", "nan_loss", at=3)
+        run("sigterm_flag", "sigterm_flag", at=3)
         ckpt = ModelCheckpoint(dirpath=OUT / "ckpts", every_n_train_steps=2, save_top_k=-1)
         run("nan_ckpt", "", at=-1, extra=[NanTableBeforeSave(), ckpt])
     elif MODE == "kill":

@@ -1,0 +1,66 @@
+"""Uneven data across ranks: every rank must get as many batches, or the others wait forever.
+
+Sharded tables run collectives in every step. Known batch counts are compared before a stage
+starts (:func:`check_counts`); unknown ones batch by batch, with the "last batch" flag that rides
+in the training step's vote (:func:`check_even`). Both raise the same named error on every rank.
+"""
+
+from __future__ import annotations
+
+from lightning_torchrec.distributed import all_gather, rank_and_world_size
+from lightning_torchrec.errors import UnevenDataError
+
+
+def check_even(last_ranks: list[int], stage: str, batch_idx: int) -> None:
+    """Raises when only some ranks are at their last batch (call with an agreed rank list).
+
+    Args:
+        last_ranks: the ranks at their last batch of the epoch (from :func:`agree`'s flags).
+        stage: ``"training"``, ``"validation"``, ...
+        batch_idx: the index of the batch all ranks are at.
+
+    Raises:
+        UnevenDataError: naming the ranks and their batch counts, the same on every rank.
+    """
+    _, world = rank_and_world_size()
+    if not last_ranks or len(last_ranks) == world:
+        return
+    others = [r for r in range(world) if r not in last_ranks]
+    raise UnevenDataError(
+        f"the ranks have different numbers of {stage} batches in this epoch: rank(s) "
+        f"{last_ranks} have {batch_idx + 1}, rank(s) {others} have more. Every rank must get "
+        "the same number of batches (sharded tables run collectives in every step): use "
+        "Lightning's distributed sampler (use_distributed_sampler=True pads the last batches), "
+        "split iterable datasets evenly per rank, or drop the remainder."
+    )
+
+
+def check_counts(count: float, stage: str) -> None:
+    """Raises on every rank when the ranks' known batch counts differ. Collective.
+
+    Sized dataloaders are compared this way before the first step; unknown counts (``inf``) are
+    compared batch by batch in the step's collective.
+
+    Args:
+        count: this rank's number of batches (``inf`` when unknown).
+        stage: ``"training"``, ``"validation"``, ``"test"`` or ``"predict"``.
+
+    Raises:
+        UnevenDataError: naming every rank's count, the same on every rank.
+    """
+    counts = all_gather(float(count))
+    known = [c for c in counts if c != float("inf")]
+    if len(set(known)) <= 1:
+        return
+    listed = ", ".join(f"rank {r}: {c:g}" for r, c in enumerate(counts))
+    fix = (
+        "make the number of predict batches a multiple of the number of ranks (pad the "
+        "dataset), or predict on one device"
+        if stage == "predict"
+        else "use Lightning's distributed sampler (use_distributed_sampler=True pads the last "
+        "batches), or give every rank as many batches"
+    )
+    raise UnevenDataError(
+        f"the ranks have different numbers of {stage} batches ({listed}). Sharded tables run "
+        f"collectives in every step, so the shorter ranks would leave the others waiting: {fix}."
+    )
