@@ -6,12 +6,14 @@
 # make lint  - ruff
 # make test-compat - build (if needed) the oldest and newest supported TorchRec stacks and run
 #                    the multi-process core tests in each (downloads a few GB; not part of make test)
+# make test-cluster - as root on Debian: start munged, slurmctld and slurmd on this host, train
+#                     2 ranks under SLURM, requeue mid-epoch, check the exact resume (not in make test)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_ARGS ?=
 
-.PHONY: install demo demo-fabric test docs bench lint clean test-compat
+.PHONY: install demo demo-fabric test docs bench lint clean test-compat test-cluster
 LINT_PATHS := lightning_torchrec tests benchmarks notebooks/*.py scripts/*.py docs/conf.py
 
 install: $(STAMP)
@@ -43,6 +45,9 @@ lint: $(STAMP)
 
 test-compat:
 	scripts/test_compat.sh
+
+test-cluster: $(STAMP)
+	PY=$(PY) scripts/test_cluster.sh
 
 clean:
 	rm -rf $(VENV) lightning_logs .pytest_cache

@@ -100,6 +100,23 @@ def is_last_batch(trainer: Any) -> bool:
     return bool(loop.batch_progress.is_last_batch)
 
 
+def hpc_save_path(trainer: Any) -> str:
+    """Where Lightning's SLURM requeue writes its checkpoint: the next ``hpc_ckpt_{n}.ckpt``.
+
+    The requeued job's ``fit`` resumes from the highest ``hpc_ckpt_{n}.ckpt`` in
+    ``default_root_dir`` by itself (``_CheckpointConnector._hpc_resume_path``); the save path
+    comes from ``_CheckpointConnector.hpc_save_path`` (lightning 1.5+), which has no public
+    counterpart.
+
+    Args:
+        trainer: the Trainer.
+
+    Returns:
+        The path of the next HPC checkpoint.
+    """
+    return str(trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir))
+
+
 class ResultsOnlyLauncher(_MultiProcessingLauncher):
     """Lightning's fork/spawn launcher, minus shipping rank 0's weights back to the parent.
 

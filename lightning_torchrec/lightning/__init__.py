@@ -7,13 +7,14 @@ Everything here is for ``lightning.Trainer`` users; the core below (``sharding``
 from lightning_torchrec.lightning.dlrm import DLRMClickModule
 from lightning_torchrec.lightning.module import TorchRecModule
 from lightning_torchrec.lightning.norm_callbacks import EmbeddingNormCallback, WeightNormCallback
-from lightning_torchrec.lightning.preemption import PreemptionCheckpoint
+from lightning_torchrec.lightning.preemption import PreemptionCheckpoint, SLURMRequeue
 from lightning_torchrec.lightning.strategy import TorchRecStrategy
 
 __all__ = [
     "DLRMClickModule",
     "EmbeddingNormCallback",
     "PreemptionCheckpoint",
+    "SLURMRequeue",
     "TorchRecModule",
     "TorchRecStrategy",
     "WeightNormCallback",

@@ -35,6 +35,7 @@ from lightning_torchrec.compat.lightning import (
 )
 from lightning_torchrec.lightning.checkpoint_hooks import ShardedCheckpointing
 from lightning_torchrec.lightning.data_hooks import DataHooks
+from lightning_torchrec.lightning.preemption import add_slurm_requeue
 from lightning_torchrec.lightning.step_hooks import StepHooks
 from lightning_torchrec.lightning.trainer_setup import (
     check_fused_precision,
@@ -68,7 +69,9 @@ class TorchRecStrategy(
     ``configure_optimizers``. Checkpoints are sharded ``torch.distributed.checkpoint``
     directories: every rank writes its own shards. Sharding goes through
     :func:`lightning_torchrec.sharding.planning.shard_model`, the same path as
-    ``maybe_shard_model``.
+    ``maybe_shard_model``. Under ``SLURMEnvironment(auto_requeue=True)`` it adds a
+    :class:`~lightning_torchrec.lightning.preemption.SLURMRequeue` to the callbacks, so the
+    requeue signal saves ``hpc_ckpt_{n}.ckpt`` between steps on every rank.
 
     Args:
         sharders: TorchRec sharders; defaults to TorchRec's with ``fused_params``.
@@ -259,6 +262,8 @@ class TorchRecStrategy(
         # Strategy.setup's template (DDPStrategy's own would wrap the model in DDP, or broadcast
         # its state outside fit): the model is sharded by `_setup_model`, optimizers follow.
         super(DDPStrategy, self).setup(trainer)
+        # Lightning's SLURM requeue saves inside its signal handler; save between steps instead.
+        add_slurm_requeue(trainer, self.cluster_environment)
 
     @override
     def model_to_device(self) -> None:
