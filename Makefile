@@ -1,5 +1,6 @@
 # make demo  - install (if needed) and train DLRM on synthetic clicks on 2 CPU processes
 # make demo-fabric - the same job in a loop of your own, on Lightning Fabric
+# make demo-seq - train a SASRec-style sequence recommender on generated MovieLens-layout data
 # make test  - install (if needed) and run the test suite
 # make docs  - build the documentation site (warnings are errors)
 # make bench - run the benchmarks (not part of make test)
@@ -13,7 +14,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_ARGS ?=
 
-.PHONY: install demo demo-fabric test docs bench lint clean test-compat test-cluster
+.PHONY: install demo demo-fabric demo-seq test docs bench lint clean test-compat test-cluster
 LINT_PATHS := lightning_torchrec tests benchmarks notebooks/*.py scripts/*.py docs/conf.py
 
 install: $(STAMP)
@@ -28,6 +29,9 @@ demo: $(STAMP)
 
 demo-fabric: $(STAMP)
 	$(PY) -m lightning_torchrec.demo_fabric $(DEMO_ARGS)
+
+demo-seq: $(STAMP)
+	$(PY) -m lightning_torchrec.demo_seq $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check $(LINT_PATHS)

@@ -128,7 +128,7 @@ LAYERS: tuple[Layer, ...] = (
 )
 
 #: Top-level modules of the application layer (the other layers are named by their module).
-APP_MODULES = ("__init__", "architecture", "consolidate", "demo", "demo_fabric")
+APP_MODULES = ("__init__", "architecture", "consolidate", "demo", "demo_fabric", "demo_seq")
 
 #: The only layers that may import ``compat.lightning`` (Lightning's private names).
 LIGHTNING_PRIVATE_USERS = ("lightning", "app")

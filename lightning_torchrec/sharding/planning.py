@@ -273,7 +273,7 @@ def shard_model(
         return _reuse(record.sharded, fused_params)
     world_size = dist.get_world_size()
     compute_device = "cuda" if device.type == "cuda" else "cpu"
-    check_constraints_for_device(constraints, compute_device)
+    check_constraints_for_device(constraints, compute_device, model)
     check_constraints_match_model(constraints, model)
     if plan is not None:
         check_plan_matches_model(plan, model)

@@ -26,24 +26,50 @@ from lightning_torchrec.sharding.tables import (
 
 #: Sharding types that need CUDA: gloo has no reduce-scatter for row-wise output dist.
 CUDA_ONLY_SHARDING_TYPES = frozenset({"row_wise", "table_row_wise", "grid_shard"})
+#: ... except ``row_wise`` for ``EmbeddingCollection`` tables: their sequence output dist is an
+#: all-to-all, which gloo has (trained, checkpointed and resumed on 2 CPU ranks in the tests).
+CPU_SEQUENCE_ROW_WISE = "row_wise"
+
+
+def sequence_tables(model: nn.Module | None) -> set[str]:
+    """The names of the model's ``EmbeddingCollection`` tables (``EmbeddingConfig``).
+
+    Args:
+        model: the unsharded model, or None.
+
+    Returns:
+        The table names (empty without a model).
+    """
+    if model is None:
+        return set()
+    return {name for name, cfg in table_configs(model).items() if isinstance(cfg, EmbeddingConfig)}
 
 
 def check_constraints_for_device(
-    constraints: dict[str, ParameterConstraints] | None, compute_device: str
+    constraints: dict[str, ParameterConstraints] | None,
+    compute_device: str,
+    model: nn.Module | None = None,
 ) -> None:
     """Refuses sharding types the compute device cannot run.
 
     Args:
         constraints: per-table planner constraints.
         compute_device: ``"cpu"`` or ``"cuda"``.
+        model: the unsharded model, to recognise ``EmbeddingCollection`` tables (which may be
+            row-wise on CPU); None treats every table as an ``EmbeddingBagCollection``'s.
 
     Raises:
         ValueError: naming the table, when a CUDA-only type is the only choice on CPU.
     """
     if compute_device == "cuda" or not constraints:
         return
+    sequence = sequence_tables(model)
     for table, c in constraints.items():
         types = set(c.sharding_types or ())
+        if table in sequence:
+            types.discard(CPU_SEQUENCE_ROW_WISE)
+            if not types:
+                continue
         if types and types <= CUDA_ONLY_SHARDING_TYPES:
             raise ValueError(
                 f"Table {table!r} is constrained to {sorted(types)} sharding, which needs CUDA "
@@ -104,7 +130,12 @@ def check_plan(
                     "which TorchRec cannot run on CPU (its data-parallel sequence lookup fails in "
                     "split_with_sizes). Use table_wise, column_wise or table_column_wise."
                 )
-            if compute_device != "cuda" and ps.sharding_type in CUDA_ONLY_SHARDING_TYPES:
+            row_wise_sequence = sequence and ps.sharding_type == CPU_SEQUENCE_ROW_WISE
+            if (
+                compute_device != "cuda"
+                and ps.sharding_type in CUDA_ONLY_SHARDING_TYPES
+                and not row_wise_sequence
+            ):
                 raise ValueError(
                     f"The plan shards {where} {ps.sharding_type}, which needs CUDA (gloo has no "
                     "reduce-scatter). On CPU use table_wise, column_wise, table_column_wise or "
@@ -140,7 +171,8 @@ def check_plan_matches_model(plan: ShardingPlan, model: nn.Module) -> None:
 
 
 #: Sharding types each kind of table can run on CPU (gloo has no reduce-scatter for row-wise;
-#: TorchRec's data-parallel sequence lookup fails on CPU).
+#: TorchRec's data-parallel sequence lookup fails on CPU). The planner is offered these; an
+#: ``EmbeddingCollection`` table may also be constrained to ``row_wise`` explicitly.
 CPU_SHARDING_TYPES = ("table_wise", "column_wise", "table_column_wise", "data_parallel")
 CPU_SEQUENCE_SHARDING_TYPES = ("table_wise", "column_wise", "table_column_wise")
 
@@ -174,7 +206,13 @@ def device_constraints(
         )
         given = out.get(name)
         wanted = list(given.sharding_types or allowed) if given is not None else list(allowed)
-        kept = [t for t in wanted if t in allowed]
+        asked_row_wise = given is not None and given.sharding_types is not None
+        accepted = (
+            (*allowed, CPU_SEQUENCE_ROW_WISE)
+            if isinstance(cfg, EmbeddingConfig) and asked_row_wise
+            else allowed
+        )
+        kept = [t for t in wanted if t in accepted]
         if not kept:
             raise ValueError(
                 f"Table {name!r} is constrained to {sorted(wanted)} sharding, which cannot run on "

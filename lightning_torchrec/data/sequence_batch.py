@@ -1,0 +1,133 @@
+"""The batch of next-item prediction: jagged item histories, the next items, candidate items.
+
+One ``KeyedJaggedTensor`` carries three features that all read the one item table:
+
+* ``item_seq``: each sample's history, oldest first, at most ``max_length`` items;
+* ``item_target``: each sample's next item (one id per sample);
+* ``item_candidates``: the items to score against, all on the first sample (the others have
+  length 0): sampled negatives in training, the whole catalogue in evaluation. One shared list
+  costs one lookup of its rows per batch, whatever the batch size.
+
+Sending the targets and candidates through the same ``EmbeddingCollection`` lookup as the
+histories is what lets any sharding plan (table-, row- or column-wise) serve them: no rank needs
+the whole table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.streamable import Pipelineable
+
+from lightning_torchrec.data.batch import host_to_accelerator
+
+ITEM_SEQ = "item_seq"
+ITEM_TARGET = "item_target"
+ITEM_CANDIDATES = "item_candidates"
+#: The features of a :class:`SequenceBatch`, in the order of its ``KeyedJaggedTensor``.
+SEQUENCE_FEATURES = (ITEM_SEQ, ITEM_TARGET, ITEM_CANDIDATES)
+
+
+@dataclass
+class SequenceBatch(Pipelineable):
+    """A batch of item histories with their next items.
+
+    Attributes:
+        sparse_features: the ``item_seq``, ``item_target`` and ``item_candidates`` features.
+        labels: ``[B]`` int64 next items (the ``item_target`` ids).
+        weights: ``[B]`` sample weights (0 for padding samples of an evaluation), or None for 1.
+    """
+
+    sparse_features: KeyedJaggedTensor
+    labels: torch.Tensor
+    weights: torch.Tensor | None = None
+
+    def to(self, device: torch.device | str, non_blocking: bool | None = None) -> SequenceBatch:
+        """Moves every tensor of the batch to ``device``.
+
+        Args:
+            device: the target device.
+            non_blocking: passed to ``Tensor.to``; None means True from the host to an
+                accelerator (see :meth:`lightning_torchrec.data.Batch.to`).
+
+        Returns:
+            A new batch on ``device``.
+        """
+        if non_blocking is None:
+            non_blocking = host_to_accelerator(self.labels.device, torch.device(device))
+        return SequenceBatch(
+            sparse_features=self.sparse_features.to(device=device, non_blocking=non_blocking),
+            labels=self.labels.to(device=device, non_blocking=non_blocking),
+            weights=None
+            if self.weights is None
+            else self.weights.to(device=device, non_blocking=non_blocking),
+        )
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        """Marks every tensor as used by ``stream`` (for TorchRec's pipelined training).
+
+        Args:
+            stream: the CUDA stream.
+        """
+        self.sparse_features.record_stream(stream)
+        self.labels.record_stream(stream)
+        if self.weights is not None:
+            self.weights.record_stream(stream)
+
+    def pin_memory(self) -> SequenceBatch:
+        """Returns a copy of the batch in pinned host memory.
+
+        Returns:
+            The pinned batch.
+        """
+        return SequenceBatch(
+            sparse_features=self.sparse_features.pin_memory(),
+            labels=self.labels.pin_memory(),
+            weights=None if self.weights is None else self.weights.pin_memory(),
+        )
+
+
+def sequence_batch(
+    histories: Sequence[np.ndarray],
+    targets: np.ndarray,
+    candidates: np.ndarray,
+    weights: np.ndarray | None = None,
+) -> SequenceBatch:
+    """Builds a :class:`SequenceBatch` from per-sample histories.
+
+    Args:
+        histories: each sample's item history (int64, oldest first, at least one item).
+        targets: ``[B]`` each sample's next item.
+        candidates: ``[C]`` the items to score against (all on the first sample).
+        weights: ``[B]`` sample weights, or None for 1.
+
+    Returns:
+        The batch.
+
+    Raises:
+        ValueError: for an empty batch, an empty history or mismatched sizes.
+    """
+    size = len(histories)
+    if size == 0 or len(targets) != size:
+        raise ValueError(f"need as many targets as histories (>0), got {len(targets)}, {size}")
+    seq_lengths = np.array([len(h) for h in histories], dtype=np.int32)
+    if int(seq_lengths.min()) < 1:
+        raise ValueError(f"history {int(np.argmin(seq_lengths))} of the batch is empty")
+    cand_lengths = np.zeros(size, dtype=np.int32)
+    cand_lengths[0] = len(candidates)
+    values = np.concatenate([*histories, targets, candidates]).astype(np.int64)
+    lengths = np.concatenate([seq_lengths, np.ones(size, dtype=np.int32), cand_lengths])
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=list(SEQUENCE_FEATURES),
+        values=torch.from_numpy(values),
+        lengths=torch.from_numpy(lengths),
+    )
+    return SequenceBatch(
+        sparse_features=kjt,
+        labels=torch.from_numpy(np.asarray(targets, dtype=np.int64)),
+        weights=None if weights is None else torch.as_tensor(weights, dtype=torch.float32),
+    )
