@@ -254,6 +254,7 @@ class TorchRecStrategy(
     @override
     def setup(self, trainer: L.Trainer) -> None:
         check_precision(self.precision_plugin)
+        self._resume_position = None  # set again when this run loads a checkpoint
         # Strategy.setup's template (DDPStrategy's own would wrap the model in DDP, or broadcast
         # its state outside fit): the model is sharded by `_setup_model`, optimizers follow.
         super(DDPStrategy, self).setup(trainer)
