@@ -65,9 +65,11 @@ class TorchRecStrategy(
     built on the meta device are materialised only as shards; DMP data-parallelises the dense
     part), and combines the fused embedding optimizer with the dense optimizer from
     ``configure_optimizers``. Checkpoints are sharded ``torch.distributed.checkpoint``
-    directories: every rank writes its own shards. Sharding goes through
-    :func:`lightning_torchrec.sharding.planning.shard_model`, the same path as
-    ``maybe_shard_model``.
+    directories: every rank writes its own shards; a fit resumed from a mid-epoch checkpoint
+    continues any map-style training DataLoader at the first batch not trained on (the others
+    are skipped at its sampler, never loaded; see ``lightning_torchrec.lightning.mid_epoch``).
+    Sharding goes through :func:`lightning_torchrec.sharding.planning.shard_model`, the same
+    path as ``maybe_shard_model``.
 
     Args:
         sharders: TorchRec sharders; defaults to TorchRec's with ``fused_params``.
