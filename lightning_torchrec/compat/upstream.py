@@ -38,6 +38,7 @@ __all__ = [
     "dcp_memory_format",
     "dcp_metadata_classes",
     "narrow_tensor",
+    "drop_persistent_iterator",
     "drop_unused_range_constraints",
     "fused_kernels",
     "foreach_norm",
@@ -253,6 +254,21 @@ def kernel_learning_rate(kernel: Any) -> float:
         The learning rate.
     """
     return float(kernel.get_learning_rate())
+
+
+def drop_persistent_iterator(loader: Any) -> None:
+    """Makes a DataLoader's next epoch start a new iterator, reading its sampler anew.
+
+    With ``persistent_workers=True`` a DataLoader keeps its iterator (``DataLoader._iterator``,
+    torch 1.7+ through 2.14) from an earlier iteration, and that iterator keeps the index
+    sampler it was made with: a sampler installed since would be ignored. Dropping it shuts its
+    workers down (the iterator's ``__del__``); the next epoch starts fresh ones.
+
+    Args:
+        loader: a ``torch.utils.data.DataLoader`` (anything else is left alone).
+    """
+    if isinstance(loader, torch.utils.data.DataLoader) and loader._iterator is not None:
+        loader._iterator = None
 
 
 def sharded_tensor_group(tensor: ShardedTensor) -> Any:

@@ -62,6 +62,17 @@ UPSTREAM_WARNINGS: list[tuple[str, type[Warning], str, str]] = [
         "position need. (Also silences it for other iterable datasets in the process.)",
     ),
     (
+        "You're resuming from a checkpoint that ended before the epoch ended and your "
+        "dataloader is not resumable",
+        UserWarning,
+        r"lightning\.pytorch\.loops\.training_epoch_loop",
+        "Lightning 2.6 calls a training loader resumable mid-epoch only when it has "
+        "state_dict()/load_state_dict(). TorchRecStrategy resumes any map-style DataLoader at "
+        "its sampler (lightning_torchrec.lightning.mid_epoch) and warns itself, naming the "
+        "loader, for one it cannot resume. (Also silences it for other strategies' Trainers in "
+        "the process.)",
+    ),
+    (
         "The given NumPy array is not writable",
         UserWarning,
         r"torchrec\.datasets\.criteo",

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_torchrec.checkpoint import (
@@ -28,7 +29,23 @@ from lightning_torchrec.checkpoint import (
     save_sharded,
 )
 from lightning_torchrec.checkpoint.limits import CheckpointLimits
+from lightning_torchrec.lightning.mid_epoch import POSITION_KEY, epoch_position, saved_position
 from lightning_torchrec.training.optim import keyed_optimizer
+
+
+def attached_trainer(module: Any) -> Any:
+    """The Trainer a LightningModule is attached to, or None.
+
+    Args:
+        module: the LightningModule (or None).
+
+    Returns:
+        The Trainer, or None.
+    """
+    try:
+        return module.trainer if module is not None else None
+    except RuntimeError:  # not attached to a Trainer
+        return None
 
 
 def confine_restored_callbacks(meta: dict[str, Any], trainer: Any) -> list[str]:
@@ -81,6 +98,7 @@ class ShardedCheckpointing:
     _push_fused_lr: Any
     _collective: Any
     _runner: Any
+    _resume_position: dict[str, int] | None = None
 
     @property
     @override
@@ -111,8 +129,15 @@ class ShardedCheckpointing:
             raise TypeError("TorchRecStrategy.save_checkpoint does not take storage_options")
         if self._runner is not None:  # a batch judged a step late never reaches a checkpoint
             self._runner.settle()
-        path = Path(self._collective(self.broadcast, str(filepath)))
+        # Rank 0's path and position within the epoch, for every rank (one broadcast).
+        trainer = attached_trainer(self.lightning_module)
+        target, position = self._collective(
+            self.broadcast, (str(filepath), epoch_position(trainer))
+        )
+        path = Path(target)
         checkpoint = dict(checkpoint)
+        if position is not None:  # what the training step consumed: a resume skips it
+            checkpoint[POSITION_KEY] = position
         model_state = checkpoint.pop("state_dict", None)
         has_optim = bool(checkpoint.pop("optimizer_states", None))
         optimizers = [keyed_optimizer(o) for o in self.optimizers] if has_optim else []
@@ -144,10 +169,10 @@ class ShardedCheckpointing:
             limits=self.checkpoint_limits,
         )
         self._push_fused_lr()
-        try:
-            trainer = self.lightning_module.trainer
-        except RuntimeError:  # not attached to a Trainer: nothing restores callbacks
-            trainer = None
+        trainer = attached_trainer(self.lightning_module)
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        # The training loader skips the batches trained on (see `DataHooks.process_dataloader`).
+        self._resume_position = saved_position(meta) if fitting else None
         dropped = confine_restored_callbacks(meta, trainer)
         if dropped and self.is_global_zero:
             warnings.warn(

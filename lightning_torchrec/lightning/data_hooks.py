@@ -3,8 +3,9 @@
 Sharded tables run collectives in every step, so a rank with fewer batches would leave the others
 waiting: known batch counts are compared when training, validation, test and predict start
 (unknown ones batch by batch, in the step's collective). Dataloaders are handed to the train and
-evaluation pipelines when a pipeline runs (and their workers check the batches they make), and
-the restored epoch reaches the sampler before the first iterator exists.
+evaluation pipelines when a pipeline runs (and their workers check the batches they make), the
+restored epoch reaches the sampler before the first iterator exists, and a run resumed from a
+mid-epoch checkpoint skips the batches trained on (:mod:`lightning_torchrec.lightning.mid_epoch`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_torchrec.compat.lightning import processed_epochs
+from lightning_torchrec.lightning.mid_epoch import resume_in_epoch
 from lightning_torchrec.training.step_runner import StepRunner
 
 
@@ -36,7 +38,11 @@ class DataHooks:
     """Mixin for ``TorchRecStrategy`` (which provides the annotated attributes)."""
 
     lightning_module: Any
+    is_global_zero: bool
     _runner: StepRunner | None
+    #: The position a mid-epoch checkpoint being resumed was written at (set by
+    #: ``load_checkpoint``), until training starts.
+    _resume_position: dict[str, int] | None = None
 
     def _check_batch_counts(self, stage: str, count: float) -> None:
         if self._runner is not None:
@@ -48,6 +54,7 @@ class DataHooks:
 
     @override
     def on_train_start(self) -> None:
+        self._resume_position = None  # the training loaders are made: a reload starts whole
         self._check_batch_counts("training", self.lightning_module.trainer.num_training_batches)
 
     @override
@@ -85,6 +92,9 @@ class DataHooks:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             set_sampler_epoch(dataloader, processed_epochs(trainer))
+            if trainer.training and self._resume_position is not None:
+                # Before the pipeline wraps it: its sampler skips what was trained on.
+                resume_in_epoch(dataloader, self._resume_position, trainer, self.is_global_zero)
         if trainer is not None and self._runner is not None:
             # Checks in the loader's workers; the stage's pipeline reads ahead.
             return self._runner.feed(dataloader, trainer.training)

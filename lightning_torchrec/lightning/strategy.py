@@ -67,9 +67,11 @@ class TorchRecStrategy(
     built on the meta device are materialised only as shards; DMP data-parallelises the dense
     part), and combines the fused embedding optimizer with the dense optimizer from
     ``configure_optimizers``. Checkpoints are sharded ``torch.distributed.checkpoint``
-    directories: every rank writes its own shards. Sharding goes through
-    :func:`lightning_torchrec.sharding.planning.shard_model`, the same path as
-    ``maybe_shard_model``. Under ``SLURMEnvironment(auto_requeue=True)`` it adds a
+    directories: every rank writes its own shards; a fit resumed from a mid-epoch checkpoint
+    continues any map-style training DataLoader at the first batch not trained on (the others
+    are skipped at its sampler, never loaded; see ``lightning_torchrec.lightning.mid_epoch``).
+    Sharding goes through :func:`lightning_torchrec.sharding.planning.shard_model`, the same
+    path as ``maybe_shard_model``. Under ``SLURMEnvironment(auto_requeue=True)`` it adds a
     :class:`~lightning_torchrec.lightning.preemption.SLURMRequeue` to the callbacks, so the
     requeue signal saves ``hpc_ckpt_{n}.ckpt`` between steps on every rank.
 
@@ -259,6 +261,7 @@ class TorchRecStrategy(
     @override
     def setup(self, trainer: L.Trainer) -> None:
         check_precision(self.precision_plugin)
+        self._resume_position = None  # set again when this run loads a checkpoint
         # Strategy.setup's template (DDPStrategy's own would wrap the model in DDP, or broadcast
         # its state outside fit): the model is sharded by `_setup_model`, optimizers follow.
         super(DDPStrategy, self).setup(trainer)

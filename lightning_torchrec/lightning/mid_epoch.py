@@ -1,0 +1,117 @@
+"""Mid-epoch resume of any training DataLoader: the position saved, and skipped on resume.
+
+Lightning resumes a loader mid-epoch only when it has ``state_dict()``/``load_state_dict()``;
+a plain map-style ``DataLoader`` replays its epoch from the start. ``TorchRecStrategy`` saves in
+every checkpoint how far into its epoch the *training step* got (the fit loop's count of
+processed batches, not what the loader or a pipeline read ahead), under :data:`POSITION_KEY`,
+rank 0's value for every rank. On resume the training loader's index sampler leaves out those
+batches without loading them (:func:`~lightning_torchrec.data.mid_epoch.skip_batches`); loaders
+with the state protocol are left to Lightning; for the rest (an ``IterableDataset`` without the
+protocol) one warning says that the epoch replays. A checkpoint without the entry (written
+before it existed) resumes as Lightning does.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+from lightning_torchrec.compat.lightning import processed_epochs
+from lightning_torchrec.compat.upstream import drop_persistent_iterator
+from lightning_torchrec.data.mid_epoch import skip_batches
+from lightning_torchrec.data.resumable import trainer_position
+
+log = logging.getLogger(__name__)
+
+#: The checkpoint entry: ``{"epoch": e, "batches": k}``, ``k`` batches of epoch ``e`` trained
+#: (0 when the epoch was complete).
+POSITION_KEY = "lightning_torchrec_epoch_position"
+
+
+def epoch_position(trainer: Any) -> dict[str, int] | None:
+    """Where in its epoch the fit loop's training step is.
+
+    Args:
+        trainer: the Trainer, or None.
+
+    Returns:
+        ``{"epoch": e, "batches": k}``: ``k`` batches of epoch ``e`` were trained on, 0 when
+        none or all were; None without a trainer.
+    """
+    if trainer is None:
+        return None
+    batches = trainer_position(trainer)
+    assert batches is not None
+    total = trainer.num_training_batches
+    return {
+        "epoch": processed_epochs(trainer),
+        "batches": batches if 0 < batches < total else 0,
+    }
+
+
+def saved_position(checkpoint: dict[str, Any]) -> dict[str, int] | None:
+    """The position a loaded checkpoint holds, if it holds a well-formed one.
+
+    Args:
+        checkpoint: Lightning's checkpoint dict (as loaded).
+
+    Returns:
+        ``{"epoch": e, "batches": k}``, or None.
+    """
+    position = checkpoint.get(POSITION_KEY)
+    if not isinstance(position, dict):
+        return None
+    epoch, batches = position.get("epoch"), position.get("batches")
+    if not isinstance(epoch, int) or not isinstance(batches, int) or epoch < 0 or batches < 0:
+        return None
+    return {"epoch": epoch, "batches": batches}
+
+
+def has_state_protocol(loader: Any) -> bool:
+    """Whether Lightning saves and restores ``loader``'s own position.
+
+    Args:
+        loader: a training loader.
+
+    Returns:
+        True when it has ``state_dict()`` and ``load_state_dict()``.
+    """
+    return callable(getattr(loader, "state_dict", None)) and callable(
+        getattr(loader, "load_state_dict", None)
+    )
+
+
+def resume_in_epoch(loader: Any, position: dict[str, int], trainer: Any, warn: bool) -> bool:
+    """Makes a training loader skip what the resumed checkpoint already trained on.
+
+    Args:
+        loader: the training loader, before its epoch's iterator is made.
+        position: from :func:`saved_position`.
+        trainer: the Trainer, its loops restored from the checkpoint.
+        warn: whether to warn (once, on one rank) when ``loader`` will replay the epoch.
+
+    Returns:
+        True when the loader now skips the batches trained on.
+    """
+    count = position["batches"]
+    if count == 0 or position["epoch"] != processed_epochs(trainer):
+        return False  # saved at an epoch's end: the next epoch starts whole
+    if has_state_protocol(loader):
+        return False  # Lightning restores its own position
+    if skip_batches(loader, count):
+        drop_persistent_iterator(loader)  # a loader fitted before keeps its old sampler there
+        log.info("resuming epoch %d after its first %d batches", position["epoch"], count)
+        return True
+    if warn:
+        warnings.warn(
+            f"The checkpoint was written {count} batches into epoch {position['epoch']}, but "
+            f"the training loader {type(loader).__name__} (dataset "
+            f"{type(getattr(loader, 'dataset', None)).__name__}) is neither a map-style "
+            "DataLoader whose sampler can skip them nor has state_dict()/load_state_dict(): "
+            "the epoch replays from its start. Use lightning_torchrec.data.ResumableDataLoader "
+            "or give the loader the state_dict protocol.",
+            UserWarning,
+            stacklevel=2,
+        )
+    return False

@@ -1,0 +1,219 @@
+"""Mid-epoch resume of any map-style DataLoader: skipped at the sampler, never loaded.
+
+Single-process tests of :class:`SkipBatches` and the strategy's decision, then two real gloo
+ranks (tests/scripts/mid_epoch_ranks.py) training with a plain shuffled DataLoader with workers:
+an uninterrupted run against runs resumed from mid-epoch checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    SequentialSampler,
+)
+
+from lightning_torchrec.data.mid_epoch import SkipBatches, skip_batches
+from lightning_torchrec.data.synthetic import SyntheticClickDataset
+from lightning_torchrec.lightning.data_hooks import set_sampler_epoch
+from lightning_torchrec.lightning.mid_epoch import (
+    POSITION_KEY,
+    resume_in_epoch,
+    saved_position,
+)
+from tests.helpers import assert_same, load_ranks, run_script
+
+
+class Counting(Dataset):
+    """Sample ``i`` is ``i``; every ``__getitem__`` is recorded."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.calls: list[int] = []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        self.calls.append(i)
+        return i
+
+
+def epochs(loader: DataLoader, first: int, count: int) -> list[list[Any]]:
+    """The batches of ``count`` epochs from ``first``, the sampler's epoch set as Lightning does."""
+    out = []
+    for epoch in range(first, first + count):
+        set_sampler_epoch(loader, epoch)
+        out.append([b.tolist() if isinstance(b, torch.Tensor) else b for b in loader])
+    return out
+
+
+def shuffled_loader(data: Counting, **kwargs: Any) -> DataLoader:
+    sampler = DistributedSampler(data, num_replicas=2, rank=1, shuffle=True, seed=7)
+    return DataLoader(data, sampler=sampler, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"batch_size": 3},
+        {"batch_size": 3, "drop_last": True},
+        {"batch_size": None},  # every index is a whole batch
+        {"batch_size": 3, "num_workers": 1},  # a worker's iterator asks for the sampler twice
+    ],
+)
+def test_skipped_batches_are_never_loaded_and_the_next_epoch_is_whole(kwargs: dict) -> None:
+    full = epochs(shuffled_loader(Counting(23), **kwargs), 0, 3)  # uninterrupted
+    data = Counting(23)
+    loader = shuffled_loader(data, **kwargs)
+    length = len(loader)
+    set_sampler_epoch(loader, 1)
+    assert skip_batches(loader, 2)
+    assert len(loader) == length  # the whole epoch's: the skipped batches count as done
+    resumed = epochs(loader, 1, 2)
+    assert resumed[0] == full[1][2:]
+    assert resumed[1] == full[2]  # the next epoch: whole, the same shuffle
+    # __getitem__ ran for exactly the samples yielded: none for the skipped batches
+    yielded = [i for epoch in resumed for b in epoch for i in (b if isinstance(b, list) else [b])]
+    if not kwargs.get("num_workers"):  # (a worker's calls are its own; the 2-rank test counts)
+        assert sorted(data.calls) == sorted(yielded)
+
+
+def test_a_users_batch_sampler_is_skipped_in_and_gets_the_epoch() -> None:
+    class Shifting(BatchSampler):
+        epoch = 0
+
+        def set_epoch(self, epoch: int) -> None:
+            self.epoch = epoch
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            batches = list(super().__iter__())
+            return iter(batches[self.epoch :] + batches[: self.epoch])
+
+    data = Counting(12)
+    loader = DataLoader(data, batch_sampler=Shifting(SequentialSampler(data), 2, False))
+    assert skip_batches(loader, 4)
+    assert isinstance(loader.batch_sampler, SkipBatches)
+    set_sampler_epoch(loader, 1)
+    assert [b.tolist() for b in loader] == [[10, 11], [0, 1]]
+    assert data.calls == [10, 11, 0, 1]
+    assert len(list(loader)) == 6
+
+
+def test_skip_needs_a_count_of_zero_or_more() -> None:
+    with pytest.raises(ValueError, match="skip >= 0, got -1"):
+        SkipBatches([[0]], -1)
+
+
+class Stream(IterableDataset):
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(range(4))
+
+
+def trainer_at(epoch: int) -> Any:
+    progress = SimpleNamespace(current=SimpleNamespace(processed=epoch))
+    return SimpleNamespace(fit_loop=SimpleNamespace(epoch_progress=progress))
+
+
+def test_the_resume_skips_only_in_the_saved_epoch() -> None:
+    data = Counting(8)
+    loader = DataLoader(data, batch_size=2)
+    position = {"epoch": 1, "batches": 3}
+    assert not resume_in_epoch(loader, position, trainer_at(2), warn=True)  # epoch ended
+    assert not resume_in_epoch(loader, {"epoch": 1, "batches": 0}, trainer_at(1), warn=True)
+    assert resume_in_epoch(loader, position, trainer_at(1), warn=True)
+    assert [b.tolist() for b in loader] == [[6, 7]]
+
+
+def test_a_loader_fitted_before_with_persistent_workers_skips_too() -> None:
+    loader = DataLoader(Counting(8), batch_size=2, num_workers=1, persistent_workers=True)
+    assert len(list(loader)) == 4  # its workers (and their sampler) outlive this epoch
+    assert resume_in_epoch(loader, {"epoch": 0, "batches": 3}, trainer_at(0), warn=True)
+    assert [b.tolist() for b in loader] == [[6, 7]]
+    assert len(list(loader)) == 4
+
+
+def test_loaders_with_the_state_protocol_are_left_to_it() -> None:
+    data = SyntheticClickDataset([10], num_batches=4, batch_size=2)
+    loader = DataLoader(data, batch_size=None)
+    loader.state_dict = dict  # type: ignore[attr-defined]
+    loader.load_state_dict = print  # type: ignore[attr-defined]
+    assert not resume_in_epoch(loader, {"epoch": 0, "batches": 2}, trainer_at(0), warn=True)
+    assert not isinstance(loader.sampler, SkipBatches)
+
+
+def test_an_iterable_dataset_without_the_protocol_warns_once_naming_the_loader() -> None:
+    loader = DataLoader(Stream(), batch_size=2)
+    with pytest.warns(UserWarning, match=r"4 batches into epoch 0.*DataLoader \(dataset Stream\)"):
+        assert not resume_in_epoch(loader, {"epoch": 0, "batches": 4}, trainer_at(0), warn=True)
+    # the other ranks stay quiet (pytest makes the package's warnings errors)
+    assert not resume_in_epoch(loader, {"epoch": 0, "batches": 4}, trainer_at(0), warn=False)
+
+
+@pytest.mark.parametrize(
+    "meta",
+    [
+        {},
+        {POSITION_KEY: None},
+        {POSITION_KEY: {"epoch": 1}},
+        {POSITION_KEY: {"epoch": -1, "batches": 2}},
+    ],
+)
+def test_a_checkpoint_without_a_position_resumes_as_lightning_does(meta: dict) -> None:
+    assert saved_position(meta) is None
+
+
+# ------------------------------------------------------------------ two ranks
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("mid_epoch")
+    proc = run_script("mid_epoch_ranks.py", str(out), timeout=240)
+    return out, proc.stderr
+
+
+def calls(out: Path, run: str, rank: int) -> Counter:
+    found: Counter = Counter()
+    for f in (out / "calls").glob(f"{run}_rank{rank}_*.txt"):
+        found.update(int(line) for line in f.read_text().split())
+    return found
+
+
+def test_two_ranks_resume_a_shuffled_dataloader_mid_epoch_bit_exact(
+    resumed: tuple[Path, str],
+) -> None:
+    out, stderr = resumed
+    full = load_ranks(out, "full")
+    # 25 samples per rank, batches of 4, drop_last: 6 batches an epoch, 2 epochs
+    assert full[0]["batches_per_epoch"] == full[1]["batches_per_epoch"] == 6
+    assert sorted(full[0]["steps"]) == list(range(1, 13))
+    assert full[0]["steps"][1]["ids"] != full[1]["steps"][1]["ids"]  # each rank its own
+    assert full[0]["steps"][1]["ids"] != full[0]["steps"][7]["ids"]  # epochs shuffled apart
+    for step, run in ((4, "resume4"), (8, "resume8")):
+        res = load_ranks(out, run)
+        for rank in range(2):
+            steps = res[rank]["steps"]
+            assert sorted(steps) == list(range(step + 1, 13)), (run, rank)
+            for s, got in steps.items():
+                want = full[rank]["steps"][s]
+                assert got["ids"] == want["ids"], (run, rank, s)
+                assert got["batch_idx"] == want["batch_idx"], (run, rank, s)
+                assert torch.equal(got["loss"], want["loss"]), (run, rank, s)
+            # tables and dense weights at the end: bit-equal
+            assert_same(full[rank]["state"], res[rank]["state"], f"{run}/rank{rank}")
+            # __getitem__ ran (in the workers) for exactly the samples trained on after the
+            # resume: none of the skipped batches was loaded
+            trained = Counter(i for s in steps.values() for i in s["ids"])
+            assert calls(out, run, rank) == trained, (run, rank)
+    assert "not resumable" not in stderr and "replays" not in stderr
