@@ -82,3 +82,16 @@ class CheckpointLimitError(ValueError):
     The limits (``lightning_torchrec.checkpoint.limits.CheckpointLimits``) bound what a
     stranger's file can cost; raise them for a checkpoint you trust that is legitimately larger.
     """
+
+
+class ServedInputError(ValueError):
+    """A request an exported model refuses (lengths that do not match the ids); names features."""
+
+
+class IdOutOfRangeError(ServedInputError, IndexError):
+    """An id outside its table, refused by an exported model; names feature, table, id, rows.
+
+    The message also names the sample the id is in.
+
+    Also an ``IndexError``: what a float model's lookup of such an id raised before.
+    """

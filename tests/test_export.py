@@ -9,6 +9,7 @@ launches and one serving process, about 40 s on 2 idle cores.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import weakref
@@ -24,8 +25,14 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 import lightning_torchrec.export.quantize as quantize_module
 from lightning_torchrec.checkpoint import load_unsharded
 from lightning_torchrec.compat.upstream_warnings import UPSTREAM_LOG_RECORDS
-from lightning_torchrec.errors import CheckpointMismatchError
-from lightning_torchrec.export.artifact import DTYPES, export, main, quantize_from_checkpoint
+from lightning_torchrec.errors import CheckpointMismatchError, IdOutOfRangeError, ServedInputError
+from lightning_torchrec.export.artifact import (
+    DTYPES,
+    export,
+    load_artifact,
+    main,
+    quantize_from_checkpoint,
+)
 from lightning_torchrec.lightning.dlrm import DLRMClickModule
 from tests.helpers import SCRIPTS, clean_env, run_script, warning_lines
 from tests.scripts.export_ranks import save as save_checkpoint
@@ -69,9 +76,13 @@ def _float_probs(checkpoint: Path, batches: list[Any]) -> torch.Tensor:
         )
 
 
-def _serve(tmp: Path, artifacts: list[Path], batches: list[Any]) -> dict[str, torch.Tensor]:
-    """Predictions of each artifact from a fresh process that cannot import the package."""
+def _serve(
+    tmp: Path, artifacts: list[Path], batches: list[Any], bad: list[dict] | None = None
+) -> dict[str, Any]:
+    """Predictions of each artifact from a fresh process that cannot import the package, and
+    what each raised for the ``bad`` requests (under ``"refused"``)."""
     inputs = {
+        "bad": bad or [],
         "keys": batches[0].sparse_features.keys(),
         "batches": [
             {
@@ -122,10 +133,17 @@ def test_every_dtype_served_without_the_training_code(
         info = json.loads(Path(f"{result.path}.json").read_text())
         assert info["features"] == [f"cat_{i}" for i in range(TABLES)]
         assert info["dense_width"] == 13 and info["dtype"] == dtype
+        assert info["feature_tables"] == [
+            {"feature": f"cat_{i}", "table": f"t_cat_{i}", "rows": ROWS, "dim": DIM}
+            for i in range(TABLES)
+        ]
+        assert info["input_contract"]["keys"] == info["features"]
     ts = export(
         checkpoints[2], MODULE, tmp_path / "dlrm_int8.ts", dtype="int8", format="torchscript"
     )
-    served = _serve(tmp_path, [*artifacts.values(), ts.path], held_out)
+    bad = _bad_requests(held_out[0])
+    served = _serve(tmp_path, [*artifacts.values(), ts.path], held_out, [r for r, _ in bad])
+    _check_refusals(served["refused"], artifacts, ts.path, bad)
     rows = []
     for dtype, path in artifacts.items():
         probs = served[str(path)]
@@ -143,6 +161,53 @@ def test_every_dtype_served_without_the_training_code(
     torch.testing.assert_close(
         served[str(ts.path)], served[str(artifacts["int8"])], rtol=0, atol=1e-6
     )
+
+
+def _bad_requests(batch: Any) -> list[tuple[dict[str, torch.Tensor], tuple]]:
+    """Requests with one id outside its table (or bad lengths), with (feature, id, sample)."""
+    kjt = batch.sparse_features
+    size = batch.dense_features.shape[0]
+    offsets = torch.cumsum(kjt.lengths(), 0) - kjt.lengths()
+    requests = []
+    for feature, value, sample in (("cat_2", ROWS, 7), ("cat_0", -1, 0), ("cat_3", 2**40, 300)):
+        bag = int(feature[-1]) * size + sample
+        assert kjt.lengths()[bag] > 0
+        values = kjt.values().clone()
+        values[offsets[bag]] = value
+        plain = {"dense": batch.dense_features, "values": values, "lengths": kjt.lengths()}
+        requests.append((plain, (feature, value, sample)))
+    lengths = kjt.lengths().clone()
+    lengths[3] += 1  # one id more than the values hold
+    plain = {"dense": batch.dense_features, "values": kjt.values(), "lengths": lengths}
+    return [*requests, (plain, ("lengths", 0, 0))]
+
+
+def _check_refusals(
+    refused: dict[str, list[str]], pt2: dict[str, Path], ts: Path, bad: list[tuple]
+) -> None:
+    """Bare servers: pt2 names the feature, table and rows; TorchScript also the id and sample.
+    Loaded with ``load_artifact``: the named errors, with the id and sample, for every dtype."""
+    for path in [*pt2.values(), ts]:
+        named = load_artifact(path)
+        for message, (request, (feature, value, sample)) in zip(
+            refused[str(path)], bad, strict=True
+        ):
+            kjt = KeyedJaggedTensor(
+                keys=[f"cat_{i}" for i in range(TABLES)],
+                values=request["values"],
+                lengths=request["lengths"],
+            )
+            if feature == "lengths":
+                assert message.startswith(("RuntimeError: bad lengths", "Error: builtins.Runtime"))
+                with pytest.raises(ServedInputError, match="bad lengths"):
+                    named(request["dense"], kjt)
+                continue
+            table = f"feature '{feature}' (table 't_{feature}', {ROWS} rows) got "
+            exact = f"id {value} (sample {sample})"
+            expected = exact if path == ts else "an id outside the table"
+            assert f"RuntimeError: id out of range: {table}{expected}" in message, message
+            with pytest.raises(IdOutOfRangeError, match=re.escape(f"{table}{exact}")):
+                named(request["dense"], kjt)
 
 
 def test_same_predictions_from_1_2_3_rank_checkpoints(
@@ -170,6 +235,15 @@ def test_matches_torchrecs_own_quantization(
             a = ours(batch.dense_features, batch.sparse_features)
             b = theirs(batch.dense_features, batch.sparse_features)
         assert torch.equal(a, b), dtype
+        values = batch.sparse_features.values().clone()
+        values[-1] = ROWS  # the last id of cat_3
+        kjt = KeyedJaggedTensor(
+            keys=batch.sparse_features.keys(),
+            values=values,
+            lengths=batch.sparse_features.lengths(),
+        )
+        with pytest.raises(IdOutOfRangeError, match=rf"'cat_3' .* got id {ROWS} \(sample 511\)"):
+            ours(batch.dense_features, kjt)
 
 
 def test_at_most_one_float_table_held(

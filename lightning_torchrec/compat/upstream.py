@@ -32,6 +32,7 @@ from torch.fx.experimental.symbolic_shapes import free_symbols
 from torchrec.optim.keyed import CombinedOptimizer
 
 __all__ = [
+    "assert_async",
     "DCP_METADATA_VERSIONS",
     "DCP_STORAGE_INFO",
     "TORCH_LAYOUT_DECODER",
@@ -331,3 +332,18 @@ def drop_unused_range_constraints(program: Any) -> list[str]:
     for key in stale:
         del constraints[key]
     return [str(key) for key in stale]
+
+
+def assert_async(condition: torch.Tensor, message: str) -> None:
+    """Fails with ``message`` when a one-element boolean tensor is false, inside a traced graph.
+
+    ``torch._assert_async`` (torch 2.0+, unchanged through 2.14): ``torch.export`` keeps it in
+    the exported graph as a side effect (``aten._assert_async.msg``) and it raises a
+    ``RuntimeError`` with ``message`` when the program runs; a Python ``if`` on a tensor's value
+    cannot be exported. The message is fixed at trace time.
+
+    Args:
+        condition: a one-element boolean tensor.
+        message: the error's text.
+    """
+    torch._assert_async(condition, message)

@@ -45,10 +45,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from lightning_torchrec.checkpoint.outputs import USER_ERRORS, OwnedTemp, check_output, user_error
 from lightning_torchrec.checkpoint.signing import read_key_file
 from lightning_torchrec.compat.upstream import drop_unused_range_constraints
-from lightning_torchrec.export.quantize import (
-    DTYPES,
-    quantize_from_checkpoint,
-)
+from lightning_torchrec.export.quantize import DTYPES, quantize_from_checkpoint
+from lightning_torchrec.export.validate import IdRangeCheck, ServedModel, input_contract
 
 #: The artifact formats.
 FORMATS = ("pt2", "torchscript")
@@ -60,7 +58,8 @@ class ExportResult:
 
     Attributes:
         model: the quantized eager model (what was traced); call it like the float model. Its
-            quantized EBCs no longer expose the tables in ``state_dict()`` (see :func:`trace`).
+            quantized EBCs no longer expose the tables in ``state_dict()`` (see :func:`trace`);
+            each has the id check in front (``IdOutOfRangeError``, see ``export.validate``).
         artifact: the ``torch.export.ExportedProgram`` or ``torch.jit.ScriptModule``.
         format: ``"pt2"`` or ``"torchscript"``.
         dtype: the table dtype name (``"int8"``, ...).
@@ -69,7 +68,8 @@ class ExportResult:
         float_table_bytes: bytes of the tables in the checkpoint (float).
         quantized_table_bytes: bytes of the quantized tables (with scale/bias and padding).
         seconds: wall time of the export.
-        info: the JSON side file's content (features, dense width, dtypes, how to load).
+        info: the JSON side file's content (features, their tables and row counts, the input
+            contract, dense width, dtypes, how to load).
     """
 
     model: nn.Module
@@ -168,7 +168,9 @@ def trace(model: nn.Module, fmt: str, args: tuple[Any, ...] | None) -> Any:
             warnings.filterwarnings(
                 "ignore", "TorchScript will treat type annotations", UserWarning
             )
-            return torch.jit.script(torchrec.fx.symbolic_trace(model))
+            # The id check is scripted from its source (it formats the offending id).
+            traced = torchrec.fx.symbolic_trace(model, leaf_modules=[IdRangeCheck.__name__])
+            return torch.jit.script(traced)
     if args is None:
         raise ValueError(
             "pt2 export needs example inputs: pass example_inputs=(...), define "
@@ -270,6 +272,8 @@ def export(
         "dense_width": facts["dense_width"],
         "weighted": facts["weighted"],
         "tables": {k: list(v) for k, v in facts["tables"].items()},
+        "feature_tables": facts["feature_tables"],
+        "input_contract": input_contract(facts["feature_tables"]),
         "inputs": "forward(dense_features: float32 [B, dense_width], sparse_features: "
         "KeyedJaggedTensor(keys=features, values=int64, lengths=int32)) -> logits [B, 1]",
         "load": "torch.export.load(path).module()" if format == "pt2" else "torch.jit.load(path)",
@@ -310,12 +314,16 @@ def load_artifact(path: str | Path) -> Any:
         path: a ``.pt2`` (``torch.export``) or TorchScript file.
 
     Returns:
-        A callable module: ``model(dense_features, sparse_features) -> logits``.
+        A callable module: ``model(dense_features, sparse_features) -> logits``; it raises
+        ``IdOutOfRangeError`` (naming the feature, table, id, sample and row count) for an id
+        outside its table, where a bare server gets the artifact's ``RuntimeError``.
     """
     path = Path(path)
     if path.suffix == ".pt2":
-        return torch.export.load(path).module()
-    return torch.jit.load(str(path))
+        return ServedModel(torch.export.load(path).module())
+    with warnings.catch_warnings():  # TorchScript: deprecated in torch 2.13, as in trace()
+        warnings.filterwarnings("ignore", "`torch.jit.load`", DeprecationWarning)
+        return ServedModel(torch.jit.load(str(path)))
 
 
 def main(argv: list[str] | None = None) -> ExportResult:

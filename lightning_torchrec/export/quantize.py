@@ -5,7 +5,7 @@ The model is rebuilt for inference from the checkpoint's hyper-parameters
 TorchRec's quantized ``EmbeddingBagCollection`` (fbgemm's row-wise int8/int4 with a per-row fp16
 scale and bias, or fp16/fp32 rows), whose buffers are allocated once and filled as each table is
 streamed from the checkpoint (:func:`quantize_from_checkpoint`): at most one table is held in
-float. :mod:`lightning_torchrec.export.artifact` traces and saves the result.
+float. Each sits behind the id check of :mod:`lightning_torchrec.export.validate`. :mod:`lightning_torchrec.export.artifact` traces and saves the result.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from lightning_torchrec.checkpoint import (
     plain_tensor_index,
 )
 from lightning_torchrec.errors import CheckpointMismatchError
+from lightning_torchrec.export.validate import CheckedEmbeddings, IdRangeCheck
 from lightning_torchrec.sharding.tables import dense_width, table_bytes, table_of_key
 
 #: ``--dtype`` name to TorchRec's table data type.
@@ -221,6 +222,16 @@ def _write_quantized(rows: torch.Tensor, table: torch.Tensor, dtype: str) -> Non
             out[:, SCALE_BIAS_BYTES : SCALE_BIAS_BYTES + data].copy_(fused[:, :-SCALE_BIAS_BYTES])
 
 
+def _id_check(ebc: EmbeddingBagCollection) -> IdRangeCheck:
+    return IdRangeCheck(
+        {
+            f: (c.name, c.num_embeddings)
+            for c in ebc.embedding_bag_configs()
+            for f in c.feature_names
+        }
+    )
+
+
 def _module_paths(root: nn.Module) -> dict[int, str]:
     return {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
 
@@ -331,7 +342,8 @@ def quantize_from_checkpoint(
             rows_of[f"{prefix}{config.name}.weight"] = qebc.embedding_bags[config.name].weight.view(
                 torch.uint8
             )
-        _set_submodule(root, path, qebc)  # the float EBC (meta or not) is dropped here
+        # The float EBC (meta or not) is dropped here; the served model checks its ids first.
+        _set_submodule(root, path, CheckedEmbeddings(_id_check(ebc), qebc))
     table_prefixes = tuple(f"{p}." if p else "" for p in ebcs)
     tensors = iter_plain_tensors(checkpoint, verify=False, key=key)
     with torch.no_grad():
@@ -364,6 +376,11 @@ def quantize_from_checkpoint(
             c.num_embeddings * quantized_row_bytes(dtype, c.embedding_dim) for c in configs
         ),
         "features": features,
+        "feature_tables": [
+            {"feature": f, "table": c.name, "rows": c.num_embeddings, "dim": c.embedding_dim}
+            for c in configs
+            for f in c.feature_names
+        ],
         "weighted": any(e.is_weighted() for e in ebcs.values()),
         "dense_width": dense_width(root),
         "example_inputs": getattr(root, "example_inputs", None),

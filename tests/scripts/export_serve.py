@@ -2,7 +2,9 @@
 
 ``python export_serve.py INPUTS.pt PREDICTIONS.pt ARTIFACT...`` loads each artifact
 (``.pt2``: ``torch.export``; anything else: TorchScript), predicts click probabilities for the
-batches in ``INPUTS.pt`` (plain tensors) and saves them. Importing ``lightning_torchrec`` (or
+batches in ``INPUTS.pt`` (plain tensors) and saves them, with the first line of what each
+artifact raised for each of the bad requests in ``INPUTS.pt["bad"]`` (``{artifact: [line]}``
+under ``"refused"``). Importing ``lightning_torchrec`` (or
 the tests) is made impossible first, so the artifacts provably do not need them.
 """
 
@@ -25,9 +27,20 @@ def load(path: str):
     return torch.jit.load(path)
 
 
+def refusal(model, keys, b) -> str:
+    """The last line of what the model raised for a request (``b``: plain tensors)."""
+    kjt = KeyedJaggedTensor(keys=keys, values=b["values"], lengths=b["lengths"])
+    try:
+        with torch.inference_mode():
+            model(b["dense"], kjt)
+    except Exception as err:  # noqa: BLE001  (any refusal is recorded)
+        return f"{type(err).__name__}: {str(err).strip().splitlines()[-1]}"
+    return "accepted"
+
+
 def main() -> None:
     inputs = torch.load(sys.argv[1], weights_only=True)
-    out = {}
+    out, refused = {}, {}
     for path in sys.argv[3:]:
         model = load(path)
         probs = []
@@ -38,6 +51,8 @@ def main() -> None:
                 )
                 probs.append(torch.sigmoid(model(b["dense"], kjt)).reshape(-1))
         out[path] = torch.cat(probs)
+        refused[path] = [refusal(model, inputs["keys"], b) for b in inputs.get("bad", [])]
+    out["refused"] = refused
     torch.save(out, sys.argv[2])
     loaded = sorted(
         m
