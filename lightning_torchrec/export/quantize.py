@@ -5,7 +5,8 @@ The model is rebuilt for inference from the checkpoint's hyper-parameters
 TorchRec's quantized ``EmbeddingBagCollection`` (fbgemm's row-wise int8/int4 with a per-row fp16
 scale and bias, or fp16/fp32 rows), whose buffers are allocated once and filled as each table is
 streamed from the checkpoint (:func:`quantize_from_checkpoint`): at most one table is held in
-float. Each sits behind the id check of :mod:`lightning_torchrec.export.validate`. :mod:`lightning_torchrec.export.artifact` traces and saves the result.
+float. Each sits behind the id check of :mod:`lightning_torchrec.export.validate`;
+:mod:`lightning_torchrec.export.artifact` traces and saves the result.
 """
 
 from __future__ import annotations
