@@ -31,7 +31,9 @@ from lightning_torchrec.compat.lightning import (
     ResultsOnlyLaunching,
     layer_sync,
     model_kept_in_place,
+    process_group_backend,
 )
+from lightning_torchrec.distributed import init_elastic_group, shutdown_at_exit
 from lightning_torchrec.lightning.checkpoint_hooks import ShardedCheckpointing
 from lightning_torchrec.lightning.data_hooks import DataHooks
 from lightning_torchrec.lightning.step_hooks import StepHooks
@@ -52,6 +54,9 @@ from lightning_torchrec.training.step_guard import StepGuard
 from lightning_torchrec.training.step_runner import BATCH_CHECKS, StepRunner
 
 log = logging.getLogger(__name__)
+
+#: ``TorchRecStrategy``'s default ``peer_timeout``.
+PEER_TIMEOUT = timedelta(minutes=5)
 
 
 class TorchRecStrategy(
@@ -90,6 +95,12 @@ class TorchRecStrategy(
         precision_plugin: see ``DDPStrategy``.
         process_group_backend: ``"gloo"``/``"nccl"``; defaults to the device's.
         timeout: collective timeout.
+        peer_timeout: how long a rank waits for the others at a step's vote (the one small
+            collective of every step, on a gloo group of its own) before it raises
+            ``PeerFailureError``: a rank that died or hangs stops the others within this time
+            instead of ``timeout``, so a launcher (torchrun's ``--max-restarts``) restarts the job
+            promptly. Longer than any rank's work between two steps (a slow first batch, a
+            callback on one rank). None: the votes run on the default group, under ``timeout``.
         start_method: ``"popen"`` (scripts), ``"spawn"`` or ``"fork"`` (notebooks).
         validate_batches: check each batch against the tables before the forward (ids in
             range, known keys, lengths, dtypes, finite dense features; see
@@ -158,6 +169,7 @@ class TorchRecStrategy(
         precision_plugin: Any = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        peer_timeout: timedelta | None = PEER_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         validate_batches: bool | int = True,
         on_nonfinite_loss: Literal["raise", "ignore"] = "raise",
@@ -188,6 +200,7 @@ class TorchRecStrategy(
         self.log_plan = log_plan
         self.load_optimizer_states = load_optimizer_states
         self.collective_timeout = timeout
+        self.peer_timeout = peer_timeout
         self.check_finite_checkpoints = check_finite_checkpoints
         self.checkpoint_key = checkpoint_key
         self._validate_batches = validate_batches
@@ -244,12 +257,24 @@ class TorchRecStrategy(
 
     # ------------------------------------------------------------------ setup
     @override
+    def setup_distributed(self) -> None:
+        # Under torchrun, in a store of this attempt's own (a restart never reads the dead
+        # attempt's keys); Lightning's own set-up then finds the group up.
+        self.set_world_ranks()
+        device = self.root_device if self.root_device.type != "cpu" else None
+        timeout = self.collective_timeout or default_pg_timeout
+        backend = process_group_backend(self)
+        init_elastic_group(backend, self.global_rank, self.world_size, timeout, device)
+        super().setup_distributed()
+        shutdown_at_exit()
+
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        if dist.get_backend() != "gloo":
+        if self.peer_timeout is not None or dist.get_backend() != "gloo":
             # The per-step votes are host integers: a gloo group decides them without a GPU
-            # sync. Owned by this strategy; destroyed in teardown.
-            self._host_group = dist.new_group(backend="gloo")
+            # sync, within `peer_timeout`. Owned by this strategy; destroyed in teardown.
+            self._host_group = dist.new_group(backend="gloo", timeout=self.peer_timeout)
 
     @override
     def setup(self, trainer: L.Trainer) -> None:
@@ -300,13 +325,19 @@ class TorchRecStrategy(
             start_batch=self.pipeline_config.start_batch,
             asked=self.pipeline != "auto",
             global_step=lambda: self.lightning_module.trainer.global_step,
-            timeout=self.collective_timeout,
+            timeout=self._timeouts(),
             group=self._host_group,
             batch_checks=self.batch_checks,
         )
         if fitting:
             self._runner.start_fit()
         return sharded.dmp
+
+    def _timeouts(self) -> str:
+        """The timeouts a failed collective may have run into (for ``PeerFailureError``)."""
+        if self._host_group is None or self.peer_timeout is None:
+            return str(self.collective_timeout)
+        return f"{self.peer_timeout} at a step's vote, {self.collective_timeout} elsewhere"
 
     def _pipeline_for(self, trainer: L.Trainer, fitting: bool) -> str | None:
         if self.pipeline == "auto":
