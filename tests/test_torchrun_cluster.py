@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from lightning_torchrec import DLRMClickModule, load_unsharded
 from tests.helpers import ROOT, SCRIPTS, assert_same, clean_env, load_ranks
 
 #: The script's ``peer_timeout``, in seconds.
@@ -82,3 +83,51 @@ def test_restarted_job_resumes_bit_equal_after_a_hang_and_a_kill(tmp_path: Path)
             assert torch.equal(loss, uninterrupted["losses"][step]), step
         assert_same(resumed["model"], uninterrupted["model"])
         assert_same(resumed["optimizer"], uninterrupted["optimizer"])
+
+
+def _full_tables(ranks: list[dict]) -> dict[str, torch.Tensor]:
+    """Every table, put together from the ranks' shards."""
+    parts: dict[str, list] = {}
+    for r in ranks:
+        for key, value in r["model"].items():
+            if isinstance(value, list):
+                parts.setdefault(key, []).extend(value)
+    tables = {}
+    for key, shards in parts.items():
+        rows = max(o[0] + t.shape[0] for o, t in shards)
+        cols = max(o[1] + t.shape[1] for o, t in shards)
+        full = torch.full((rows, cols), float("nan"))
+        for (r0, c0), t in shards:
+            full[r0 : r0 + t.shape[0], c0 : c0 + t.shape[1]] = t
+        tables[key] = full
+    return tables
+
+
+def test_two_nodes_train_and_their_checkpoint_resumes_on_one(tmp_path: Path) -> None:
+    """Two agents of 2 ranks (``Trainer(num_nodes=2, devices=2)``), then one agent of 2 ranks."""
+    port = _free_port()
+    out = str(tmp_path)
+    agents = [
+        torchrun("two_nodes_fit.py", out, "train", nnodes=2, node_rank=n, port=port) for n in (0, 1)
+    ]
+    for agent in agents:
+        _finish(agent)
+    _finish(torchrun("two_nodes_fit.py", out, "resume"))
+    train = load_ranks(tmp_path, "train", world=4)
+    assert [r["ranks"] for r in train] == [(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)]
+    for r in train:
+        assert r["world"] == 4 and r["step"] == 4 and r["nodes"] == 2
+        assert r["owners"] == train[0]["owners"]
+    # One table per rank: the planner saw 2 ranks per node, both nodes hold tables.
+    assert sorted(rank for (rank,) in train[0]["owners"].values()) == [0, 1, 2, 3]
+    assert "| rank | node | table bytes |" in train[0]["plan"]
+    assert "| 3 | 1 | " in train[0]["plan"]
+    tables = _full_tables(train)
+    assert len(tables) == 4
+    four = load_unsharded(tmp_path / "four.ckpt", DLRMClickModule).state_dict()
+    resumed = load_unsharded(tmp_path / "resumed.ckpt", DLRMClickModule).state_dict()
+    for key, table in tables.items():
+        assert torch.equal(four[key], table), key  # one process reads the 4 ranks' tables
+        assert torch.equal(resumed[key], table), key  # 2 ranks resumed with them
+    for r in load_ranks(tmp_path, "resume"):
+        assert r["world"] == 2 and r["nodes"] == 1 and r["step"] == 6
