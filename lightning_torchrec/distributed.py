@@ -28,7 +28,7 @@ from lightning_torchrec.errors import PeerFailureError, RankFailureError
 T = TypeVar("T")
 
 #: The key prefix of one torchrun attempt's process groups in the agent's store.
-ATTEMPT_PREFIX = "lightning_torchrec/attempt_{}/"
+ATTEMPT_PREFIX = "lightning_torchrec/attempt_{}"
 
 
 def attempt_store(timeout: timedelta) -> dist.Store | None:
