@@ -56,7 +56,8 @@ LAYERS: tuple[Layer, ...] = (
     Layer(
         "distributed",
         "ranks, the collective device, and ``agree()``: how every rank learns that some rank "
-        "failed and raises the same named error; collectives that failed because a peer died",
+        "failed and raises the same named error; collectives that failed because a peer died; "
+        "the default group of a torchrun attempt, in keys of its own, destroyed at exit",
         ("errors", "compat"),
     ),
     Layer(

@@ -8,12 +8,16 @@ every rank raises the same error type, naming the failing ranks and their messag
 failed it costs one ``all_reduce`` of ``slots x world_size`` small integers.
 
 Everything here uses the default process group and is a no-op (or a local decision) without an
-initialised group of more than one rank.
+initialised group of more than one rank. :func:`init_elastic_group` and :func:`shutdown_at_exit`
+set that group up and take it down under ``torchrun``.
 """
 
 from __future__ import annotations
 
+import atexit
+import os
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
@@ -22,6 +26,84 @@ import torch.distributed as dist
 from lightning_torchrec.errors import PeerFailureError, RankFailureError
 
 T = TypeVar("T")
+
+#: The key prefix of one torchrun attempt's process groups in the agent's store.
+ATTEMPT_PREFIX = "lightning_torchrec/attempt_{}"
+
+
+def attempt_store(timeout: timedelta) -> dist.Store | None:
+    """The store a process group of this torchrun attempt must use, or None outside torchrun.
+
+    With ``--rdzv-backend c10d`` (torch 2.4+), workers build their process groups in the agent's
+    own TCPStore (``TORCHELASTIC_USE_AGENT_STORE=True``), which outlives the workers: after a
+    restart, the new attempt finds the dead attempt's keys (each rank's gloo address, the
+    barrier counters) under the same names and may read them before they are rewritten, then
+    connects to a dead peer ("Gloo connectFullMesh failed ... Connection refused") or hangs.
+    This store puts every key of attempt ``TORCHELASTIC_RESTART_COUNT`` under its own prefix
+    (:data:`ATTEMPT_PREFIX`). Every agent of a job restarts its workers together after a
+    failure, so the ranks of one attempt share its count.
+
+    Args:
+        timeout: how long a rank waits for a key.
+
+    Returns:
+        A ``PrefixStore`` over a client of the agent's store; None when the workers do not
+        share the agent's store (no torchrun, another rendezvous, or
+        ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    agent = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timeout,
+    )
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return dist.PrefixStore(ATTEMPT_PREFIX.format(attempt), agent)
+
+
+def init_elastic_group(
+    backend: str, rank: int, world_size: int, timeout: timedelta, device: torch.device | None
+) -> bool:
+    """Initialises the default process group in :func:`attempt_store`, under torchrun.
+
+    Args:
+        backend: ``"gloo"``, ``"nccl"``, ...
+        rank: this process's global rank.
+        world_size: the number of processes.
+        timeout: the collective timeout.
+        device: the rank's accelerator (bound to the group), or None on the CPU.
+
+    Returns:
+        True when it initialised the group; False when a group is up already or the workers do
+        not share the agent's store (the caller initialises as usual).
+    """
+    if dist.is_initialized():
+        return False
+    store = attempt_store(timeout)
+    if store is None:
+        return False
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device
+    )
+    return True
+
+
+def shutdown() -> None:
+    """Destroys every process group of this process (no-op without one).
+
+    A group left to the interpreter's exit is finalised with its threads still running
+    ("terminate called without an active exception", or a hang in gloo's destructor).
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def shutdown_at_exit() -> None:
+    """Makes :func:`shutdown` run at the interpreter's exit (once, however often it is called)."""
+    atexit.unregister(shutdown)
+    atexit.register(shutdown)
 
 
 def is_distributed() -> bool:

@@ -7,6 +7,8 @@ add what the other rank says.
 
 from __future__ import annotations
 
+import atexit
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -15,12 +17,16 @@ import torch.distributed as dist
 
 from lightning_torchrec.distributed import (
     agree,
+    attempt_store,
     barrier,
     broadcast_from_rank0,
     collective_device,
+    init_elastic_group,
     is_distributed,
     rank_and_world_size,
     ranks_where,
+    shutdown,
+    shutdown_at_exit,
 )
 from lightning_torchrec.errors import RankFailureError
 from tests.helpers import one_rank_group  # noqa: F401 - a fixture
@@ -229,3 +235,62 @@ def test_broadcast_from_rank0_raises_rank0s_error_on_every_rank(
     world.peer_votes, world.peer_report = [True], (ValueError, "planning failed")
     with pytest.raises(ValueError, match="another rank failed: rank 0: planning failed"):
         broadcast_from_rank0(lambda: pytest.fail("fn runs on rank 0 only"))
+
+
+# ---------------------------------------------------------------- torchrun attempts
+
+
+def test_outside_torchruns_shared_store_the_launcher_initialises(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    assert attempt_store(timedelta(seconds=5)) is None
+    assert not init_elastic_group("gloo", 0, 1, timedelta(seconds=5), None)
+    assert not dist.is_initialized()
+
+
+def test_each_torchrun_attempt_writes_under_its_own_prefix_of_the_agents_store(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    agent = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5)
+    )
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(agent.port))
+    agent.set("rank_1", "dead attempt's address")  # what an attempt without prefix would read
+    for attempt in ("0", "1"):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempt)
+        store = attempt_store(timedelta(seconds=5))
+        assert store is not None
+        store.set("rank_1", f"attempt {attempt}")
+    assert agent.get("lightning_torchrec/attempt_0/rank_1") == b"attempt 0"
+    assert agent.get("lightning_torchrec/attempt_1/rank_1") == b"attempt 1"
+    assert agent.get("rank_1") == b"dead attempt's address"
+
+
+def test_a_group_made_in_the_attempts_store_is_destroyed_at_exit_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    agent = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5)
+    )
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(agent.port))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    registered: list[Any] = []
+    monkeypatch.setattr(atexit, "register", registered.append)
+    monkeypatch.setattr(
+        atexit, "unregister", lambda f: registered.remove(f) if f in registered else None
+    )
+    try:
+        assert init_elastic_group("gloo", 0, 1, timedelta(seconds=5), None)
+        assert dist.get_world_size() == 1
+        assert not init_elastic_group("gloo", 0, 1, timedelta(seconds=5), None)  # up already
+        shutdown_at_exit()
+        shutdown_at_exit()
+        assert registered == [shutdown]
+    finally:
+        shutdown()
+    assert not dist.is_initialized()

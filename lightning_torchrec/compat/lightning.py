@@ -183,3 +183,18 @@ def model_kept_in_place(strategy: Any) -> Iterator[None]:
         strategy.optimizers = optimizers
         if module is not None:
             vars(module).pop("cpu", None)
+
+
+def process_group_backend(strategy: Any) -> str:
+    """The backend a DDP-style strategy will initialise its process group with.
+
+    ``DDPStrategy._get_process_group_backend`` (lightning 2.0+): the one asked for, else the
+    root device's default (gloo on the CPU, nccl on CUDA).
+
+    Args:
+        strategy: a ``DDPStrategy``.
+
+    Returns:
+        The backend's name.
+    """
+    return str(strategy._get_process_group_backend())

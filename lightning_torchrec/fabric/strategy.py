@@ -28,7 +28,7 @@ from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from typing_extensions import override
 
-from lightning_torchrec.distributed import run_collective
+from lightning_torchrec.distributed import init_elastic_group, run_collective, shutdown_at_exit
 from lightning_torchrec.fabric.checkpointing import FabricCheckpointing
 from lightning_torchrec.fabric.checks import adopt_sharded_parameters, check_fabric_precision
 from lightning_torchrec.sharding.plan_summary import PlanSummary
@@ -168,7 +168,16 @@ class TorchRecFabricStrategy(FabricCheckpointing, DDPStrategy):
     # ------------------------------------------------------------------ setup
     @override
     def setup_environment(self) -> None:
+        # Under torchrun, the default group lives in a store of this attempt's own (a restart
+        # never reads the dead attempt's keys; see `attempt_store`); Fabric then finds it up.
+        env, device = self.cluster_environment, self.root_device
+        backend = self.process_group_backend or ("nccl" if device.type == "cuda" else "gloo")
+        if env is not None:
+            timeout = self.collective_timeout or default_pg_timeout
+            cuda = device if device.type == "cuda" else None
+            init_elastic_group(backend, env.global_rank(), env.world_size(), timeout, cuda)
         super().setup_environment()
+        shutdown_at_exit()
         if dist.get_backend() != "gloo":
             # The per-step votes are host integers: a gloo group decides them without a GPU
             # sync. Owned by this strategy; destroyed in teardown.

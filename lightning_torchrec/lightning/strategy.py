@@ -31,8 +31,10 @@ from lightning_torchrec.compat.lightning import (
     ResultsOnlyLaunching,
     layer_sync,
     model_kept_in_place,
+    process_group_backend,
     take_over_sigterm_broadcast,
 )
+from lightning_torchrec.distributed import init_elastic_group, shutdown_at_exit
 from lightning_torchrec.lightning.checkpoint_hooks import ShardedCheckpointing
 from lightning_torchrec.lightning.data_hooks import DataHooks
 from lightning_torchrec.lightning.preemption import add_slurm_requeue
@@ -40,20 +42,23 @@ from lightning_torchrec.lightning.step_hooks import StepHooks
 from lightning_torchrec.lightning.trainer_setup import (
     check_fused_precision,
     check_fused_training,
-    check_pipeline_training,
     check_precision,
     check_sync_batchnorm,
     log_plan,
+    pipeline_for,
 )
 from lightning_torchrec.sharding.plan_summary import PlanSummary
 from lightning_torchrec.sharding.planning import ShardingConfig, shard_model
 from lightning_torchrec.sharding.sharders import has_fused_tables
 from lightning_torchrec.training.optim import combine_with_schedulers
-from lightning_torchrec.training.pipelines import PipelineConfig, resolve_pipeline
+from lightning_torchrec.training.pipelines import PipelineConfig
 from lightning_torchrec.training.step_guard import StepGuard
 from lightning_torchrec.training.step_runner import BATCH_CHECKS, StepRunner
 
 log = logging.getLogger(__name__)
+
+#: ``TorchRecStrategy``'s default ``peer_timeout``.
+PEER_TIMEOUT = timedelta(minutes=5)
 
 
 class TorchRecStrategy(
@@ -96,6 +101,12 @@ class TorchRecStrategy(
         precision_plugin: see ``DDPStrategy``.
         process_group_backend: ``"gloo"``/``"nccl"``; defaults to the device's.
         timeout: collective timeout.
+        peer_timeout: how long a rank waits for the others at a step's vote (the one small
+            collective of every step, on a gloo group of its own) before it raises
+            ``PeerFailureError``: a rank that died or hangs stops the others within this time
+            instead of ``timeout``, so a launcher (torchrun's ``--max-restarts``) restarts the job
+            promptly. Longer than any rank's work between two steps (a slow first batch, a
+            callback on one rank). None: the votes run on the default group, under ``timeout``.
         start_method: ``"popen"`` (scripts), ``"spawn"`` or ``"fork"`` (notebooks).
         validate_batches: check each batch against the tables before the forward (ids in
             range, known keys, lengths, dtypes, finite dense features; see
@@ -164,6 +175,7 @@ class TorchRecStrategy(
         precision_plugin: Any = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        peer_timeout: timedelta | None = PEER_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         validate_batches: bool | int = True,
         on_nonfinite_loss: Literal["raise", "ignore"] = "raise",
@@ -194,6 +206,7 @@ class TorchRecStrategy(
         self.log_plan = log_plan
         self.load_optimizer_states = load_optimizer_states
         self.collective_timeout = timeout
+        self.peer_timeout = peer_timeout
         self.check_finite_checkpoints = check_finite_checkpoints
         self.checkpoint_key = checkpoint_key
         self._validate_batches = validate_batches
@@ -251,12 +264,24 @@ class TorchRecStrategy(
 
     # ------------------------------------------------------------------ setup
     @override
+    def setup_distributed(self) -> None:
+        # Under torchrun, in a store of this attempt's own (a restart never reads the dead
+        # attempt's keys); Lightning's own set-up then finds the group up.
+        self.set_world_ranks()
+        device = self.root_device if self.root_device.type != "cpu" else None
+        timeout = self.collective_timeout or default_pg_timeout
+        backend = process_group_backend(self)
+        init_elastic_group(backend, self.global_rank, self.world_size, timeout, device)
+        super().setup_distributed()
+        shutdown_at_exit()
+
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        if dist.get_backend() != "gloo":
+        if self.peer_timeout is not None or dist.get_backend() != "gloo":
             # The per-step votes are host integers: a gloo group decides them without a GPU
-            # sync. Owned by this strategy; destroyed in teardown.
-            self._host_group = dist.new_group(backend="gloo")
+            # sync, within `peer_timeout`. Owned by this strategy; destroyed in teardown.
+            self._host_group = dist.new_group(backend="gloo", timeout=self.peer_timeout)
 
     @override
     def setup(self, trainer: L.Trainer) -> None:
@@ -295,7 +320,7 @@ class TorchRecStrategy(
         self._dmp, self._plan, self.plan_summary = sharded.dmp, sharded.plan, sharded.summary
         if first and self.log_plan and self.is_global_zero:
             log_plan(sharded.summary, trainer.loggers)
-        pipeline = self._pipeline_for(trainer, fitting)
+        pipeline = pipeline_for(self.pipeline_config, self.root_device, trainer, fitting)
         if fitting and has_fused_tables(sharded.plan):
             check_fused_precision(self.precision_plugin)
             check_fused_training(trainer, self.allow_fused_gradient_accumulation)
@@ -310,27 +335,23 @@ class TorchRecStrategy(
             start_batch=self.pipeline_config.start_batch,
             asked=self.pipeline != "auto",
             global_step=lambda: self.lightning_module.trainer.global_step,
-            timeout=self.collective_timeout,
+            timeout=self._timeouts(),
             group=self._host_group,
             batch_checks=self.batch_checks,
         )
         if fitting:
             self._runner.start_fit()
             if self.world_size > 1 and self._undo_sigterm is None:
-                # Lightning's per-step SIGTERM broadcast (an extra collective, and a GPU sync
-                # on CUDA) rides in the step's vote instead.
+                # Lightning's SIGTERM broadcast (a GPU sync per step) rides in the step's vote.
                 self._runner.guard.carries_stop = True
                 self._undo_sigterm = take_over_sigterm_broadcast(trainer)
         return sharded.dmp
 
-    def _pipeline_for(self, trainer: L.Trainer, fitting: bool) -> str | None:
-        if self.pipeline == "auto":
-            accumulating = fitting and trainer.accumulate_grad_batches > 1
-            why = "gradient accumulation needs the unpipelined step" if accumulating else None
-            return resolve_pipeline(self.pipeline_config, self.root_device, why)
-        if fitting and self.pipeline is not None:
-            check_pipeline_training(trainer)
-        return self.pipeline
+    def _timeouts(self) -> str:
+        """The timeouts a failed collective may have run into (for ``PeerFailureError``)."""
+        if self._host_group is None or self.peer_timeout is None:
+            return str(self.collective_timeout)
+        return f"{self.peer_timeout} at a step's vote, {self.collective_timeout} elsewhere"
 
     @override
     def setup_optimizers(self, trainer: L.Trainer) -> None:
@@ -354,10 +375,8 @@ class TorchRecStrategy(
         if self._host_group is not None:
             dist.destroy_process_group(self._host_group)
             self._host_group = None
-        # Finalize what this run dropped (pipelines, their process-group handles) here, in this
-        # process: left to a later collection, a ProcessGroupGloo can be finalized in a forked
-        # DataLoader worker of the next run, whose destructor then waits forever for threads the
-        # fork did not copy (the hang of a multi-worker loader after a pipelined fit).
+        # Finalize this run's garbage (process-group handles) here: finalized in a forked
+        # DataLoader worker of a later run, a ProcessGroupGloo waits forever for its threads.
         gc.collect()
         # The sharded model stays in place: a later validate/test/predict reuses it.
         with model_kept_in_place(self):

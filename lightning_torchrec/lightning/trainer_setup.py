@@ -15,6 +15,7 @@ from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_torchrec.sharding.plan_summary import PlanSummary
+from lightning_torchrec.training.pipelines import PipelineConfig, resolve_pipeline
 
 
 def check_precision(precision_plugin: Any) -> None:
@@ -92,6 +93,32 @@ def check_pipeline_training(trainer: Any) -> None:
             "train pipeline: the pipeline runs the next batch's input all-to-all against every "
             "update. Use pipeline=None to accumulate, or a larger batch."
         )
+
+
+def pipeline_for(
+    config: PipelineConfig, device: torch.device, trainer: Any, fitting: bool
+) -> str | None:
+    """The pipeline a run trains with: ``"auto"`` resolved for the device and the Trainer.
+
+    Args:
+        config: the strategy's pipeline configuration.
+        device: the rank's device.
+        trainer: the Trainer (its gradient accumulation rules a pipeline out under ``"auto"``).
+        fitting: whether the run is a ``fit``.
+
+    Returns:
+        ``"sparse_dist"``, ``"semi_sync"`` or None.
+
+    Raises:
+        ValueError: when an asked-for pipeline cannot train with the Trainer's settings.
+    """
+    if config.kind == "auto":
+        accumulating = fitting and trainer.accumulate_grad_batches > 1
+        why = "gradient accumulation needs the unpipelined step" if accumulating else None
+        return resolve_pipeline(config, device, why)
+    if fitting and config.kind is not None:
+        check_pipeline_training(trainer)
+    return config.kind
 
 
 def check_sync_batchnorm(device: torch.device) -> None:

@@ -45,10 +45,30 @@ class PlanSummary:
     Attributes:
         world_size: number of ranks.
         tables: one placement per table.
+        local_world_size: ranks per node (None: every rank on one node). Rank ``r`` is on node
+            ``r // local_world_size``, as torchrun, SLURM and Lightning number them.
     """
 
     world_size: int
     tables: list[TablePlacement]
+    local_world_size: int | None = None
+
+    @property
+    def num_nodes(self) -> int:
+        """The number of nodes the ranks span."""
+        local = self.local_world_size or self.world_size
+        return max(self.world_size // max(local, 1), 1)
+
+    def node_of(self, rank: int) -> int:
+        """The node a rank runs on.
+
+        Args:
+            rank: a global rank.
+
+        Returns:
+            Its node rank (0 on one node).
+        """
+        return rank // (self.local_world_size or self.world_size)
 
     @property
     def bytes_per_rank(self) -> list[int]:
@@ -65,28 +85,42 @@ class PlanSummary:
         Returns:
             Markdown text.
         """
+        nodes = self.num_nodes > 1  # columns shown only for a job of several nodes
         lines = [
-            "| table | module | sharding | kernel | ranks | rows x dim |",
-            "|---|---|---|---|---|---|",
+            "| table | module | sharding | kernel | ranks | "
+            + ("nodes | " if nodes else "")
+            + "rows x dim |",
+            "|---|---|---|---|---|---|" + ("---|" if nodes else ""),
         ]
         for t in self.tables:
             ranks = ",".join(map(str, t.ranks))
+            on = ",".join(str(n) for n in sorted({self.node_of(r) for r in t.ranks}))
             lines.append(
                 f"| {t.table} | {t.module} | {t.sharding_type} | {t.compute_kernel} | "
-                f"{ranks} | {t.shape[0]} x {t.shape[1]} |"
+                f"{ranks} | " + (f"{on} | " if nodes else "") + f"{t.shape[0]} x {t.shape[1]} |"
             )
-        lines += ["", "| rank | table bytes |", "|---|---|"]
-        lines += [f"| {r} | {human_bytes(b)} |" for r, b in enumerate(self.bytes_per_rank)]
+        if nodes:
+            lines += ["", "| rank | node | table bytes |", "|---|---|---|"]
+            lines += [
+                f"| {r} | {self.node_of(r)} | {human_bytes(b)} |"
+                for r, b in enumerate(self.bytes_per_rank)
+            ]
+        else:
+            lines += ["", "| rank | table bytes |", "|---|---|"]
+            lines += [f"| {r} | {human_bytes(b)} |" for r, b in enumerate(self.bytes_per_rank)]
         return "\n".join(lines)
 
 
-def summarize_plan(model: nn.Module, plan: ShardingPlan, world_size: int) -> PlanSummary:
+def summarize_plan(
+    model: nn.Module, plan: ShardingPlan, world_size: int, local_world_size: int | None = None
+) -> PlanSummary:
     """Describes ``plan`` for ``model`` (call before sharding; the model may be on meta).
 
     Args:
         model: the unsharded model the plan was made for.
         plan: its sharding plan.
         world_size: number of ranks.
+        local_world_size: ranks per node (None: all on one node).
 
     Returns:
         The summary.
@@ -118,4 +152,4 @@ def summarize_plan(model: nn.Module, plan: ShardingPlan, world_size: int) -> Pla
                     bytes_per_rank=per_rank,
                 )
             )
-    return PlanSummary(world_size=world_size, tables=tables)
+    return PlanSummary(world_size=world_size, tables=tables, local_world_size=local_world_size)

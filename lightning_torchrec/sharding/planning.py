@@ -13,7 +13,6 @@ the same default sharders (TorchRec's, with the fused optimizer of
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -37,6 +36,7 @@ from lightning_torchrec.compat.upstream import planner_topology
 from lightning_torchrec.distributed import broadcast_from_rank0
 from lightning_torchrec.sharding.key_order import keep_key_order
 from lightning_torchrec.sharding.layout import copy_into_shards
+from lightning_torchrec.sharding.nodes import local_world_size_env, resolve_local_world_size
 from lightning_torchrec.sharding.plan_summary import PlanSummary, summarize_plan
 from lightning_torchrec.sharding.reuse import attach, check_reusable, recorded
 from lightning_torchrec.sharding.setup_checks import (
@@ -249,7 +249,10 @@ def shard_model(
     Args:
         model: the unsharded model (tables usually on the meta device).
         device: this rank's device.
-        local_world_size: processes per node (default: ``LOCAL_WORLD_SIZE``, else the world size).
+        local_world_size: processes per node (default: ``LOCAL_WORLD_SIZE``, else the world
+            size); the planner places ``table_row_wise`` and grid shards within a node of this
+            many ranks, and TorchRec's node groups are built for it (see
+            :mod:`~lightning_torchrec.sharding.nodes`).
         plan: a ready ``ShardingPlan``; skips planning.
         sharders: TorchRec sharders; default :func:`default_sharders` with ``fused_params``.
         constraints: ``{table name: ParameterConstraints}`` for the planner.
@@ -279,28 +282,29 @@ def shard_model(
         check_plan_matches_model(plan, model)
     sharders = config.resolved_sharders()
     check_fused_optimizer_for_device(sharders, compute_device)
+    local = resolve_local_world_size(local_world_size, world_size)
     if plan is None:
         if planner is None:
-            local = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
             topology = make_topology(world_size, local, compute_device)
             planner = make_planner(
                 model, topology, device_constraints(model, constraints, compute_device)
             )
         plan = plan_collectively(planner, model, sharders, planner_topology(planner))
     check_plan(plan, world_size, compute_device, model)
-    summary = summarize_plan(model, plan, world_size)
+    summary = summarize_plan(model, plan, world_size, local)
     modules = embedding_modules(model)  # before DMP replaces them with sharded ones
     specs = feature_specs(model)
     materialized = materialized_tables(model)
     warn_materialized(materialized)
-    dmp = DistributedModelParallel(
-        model,
-        env=ShardingEnv.from_process_group(dist.group.WORLD),
-        device=device,
-        plan=plan,
-        sharders=sharders,
-        data_parallel_wrapper=data_parallel_wrapper,
-    )
+    with local_world_size_env(local):  # table_row_wise's node groups follow the plan's nodes
+        dmp = DistributedModelParallel(
+            model,
+            env=ShardingEnv.from_process_group(dist.group.WORLD),
+            device=device,
+            plan=plan,
+            sharders=sharders,
+            data_parallel_wrapper=data_parallel_wrapper,
+        )
     if materialized:
         # DistributedModelParallel re-initialises shards; keep the values the user built.
         copy_into_shards(materialized, embedding_tables(model))
