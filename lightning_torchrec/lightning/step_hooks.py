@@ -7,6 +7,7 @@ pipelines; the fused learning rate is pushed into the kernels before each traini
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from typing_extensions import override
 
 from lightning_torchrec.compat.lightning import is_last_batch
 from lightning_torchrec.distributed import run_collective
-from lightning_torchrec.errors import StopRequested
+from lightning_torchrec.errors import PeerFailureError, StopRequested
 from lightning_torchrec.training.optim import DenseAndFusedOptimizer
 from lightning_torchrec.training.step_runner import StepRunner
 
@@ -106,6 +107,15 @@ class StepHooks:
         super().post_backward(closure_loss)
         if self._runner is not None and self.lightning_module.trainer.training:
             self._runner.after_backward()  # semi-sync: the tables' update of this batch
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # A dead peer's launcher (Lightning's, torchrun) kills the survivors within seconds,
+        # often before the traceback is printed after teardown: say why on this rank now.
+        if isinstance(exception, PeerFailureError):
+            rank = getattr(self, "global_rank", 0)
+            print(f"[rank {rank}] PeerFailureError: {exception}", file=sys.stderr, flush=True)
+        super().on_exception(exception)  # type: ignore[misc]
 
     @override
     def on_train_end(self) -> None:

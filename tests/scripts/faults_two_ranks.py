@@ -66,6 +66,19 @@ class RankOneFault(Callback):
             trainer._signal_connector.received_sigterm = True
 
 
+class RecordError(Callback):
+    """Saves what a rank raised before the Trainer's teardown (a dead peer's launcher may kill
+    this process during the teardown)."""
+
+    def __init__(self, phase: str) -> None:
+        self.phase = phase
+
+    def on_exception(self, trainer: L.Trainer, pl_module: Any, exception: BaseException) -> None:
+        if MODE == "kill":
+            result = {"error": type(exception).__name__, "message": str(exception)}
+            torch.save(result, OUT / f"{self.phase}_rank{trainer.global_rank}.pt")
+
+
 class BadIdOnRankOne:
     """The training batches, with an out-of-range id in rank 1's batch ``at`` (as drawn: the
     strategy checks batches when they leave the loader)."""
@@ -124,7 +137,7 @@ def run(
         limit_val_batches=0,
         default_root_dir=OUT,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in extra or []),
-        callbacks=[RankOneFault(fault, at), steps, *(extra or [])],
+        callbacks=[RankOneFault(fault, at), steps, RecordError(phase), *(extra or [])],
     )
     result: dict[str, Any] = {"error": None, "message": ""}
     broadcasts = [0]
