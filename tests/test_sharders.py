@@ -17,6 +17,8 @@ from torchrec.distributed.types import (
 )
 
 from lightning_torchrec.sharding.sharders import (
+    DeviceAwareMCEBCSharder,
+    DeviceAwareMCECSharder,
     default_fused_params,
     default_sharders,
     has_fused_tables,
@@ -59,16 +61,18 @@ def test_default_sharders_carry_the_fused_params() -> None:
         EmbeddingBagCollectionSharder,
         EmbeddingCollectionSharder,
         FeatureProcessedEmbeddingBagCollectionSharder,
-        ManagedCollisionEmbeddingBagCollectionSharder,
-        ManagedCollisionEmbeddingCollectionSharder,
+        DeviceAwareMCEBCSharder,
+        DeviceAwareMCECSharder,
     ]
+    assert isinstance(sharders[3], ManagedCollisionEmbeddingBagCollectionSharder)
+    assert isinstance(sharders[4], ManagedCollisionEmbeddingCollectionSharder)
     expected = {"optimizer": ADAGRAD, "learning_rate": 0.3, "eps": 1e-8}
     for sharder in sharders[:5]:
         assert sharder.fused_params == expected, type(sharder).__name__
-    # TorchRec's other default sharders are kept, each type once.
-    types = [type(s) for s in sharders]
-    assert len(types) == len(set(types))
-    assert {type(s) for s in get_default_sharders()} <= set(types)
+    # TorchRec's other default sharders are kept, one per module type.
+    modules = [s.module_type for s in sharders]
+    assert len(modules) == len(set(modules))
+    assert {s.module_type for s in get_default_sharders()} <= set(modules)
 
 
 def test_has_fused_tables() -> None:

@@ -53,11 +53,67 @@ def resolve_fused_params(fused_params: dict[str, Any] | None) -> dict[str, Any]:
     return params
 
 
+class DeviceAwareMCECSharder(ManagedCollisionEmbeddingCollectionSharder):
+    """TorchRec's managed-collision EC sharder, offering only kernels the device has.
+
+    TorchRec's managed-collision sharders offer the UVM and key-value kernels on every device,
+    so on CPU the planner picks ``fused_uvm`` and fails (``Unrecognized or unsupported compute
+    kernel: fused_uvm``). This one offers what its ``EmbeddingCollection`` sharder offers.
+
+    Args:
+        ec_sharder: the sharder of the collection's tables.
+    """
+
+    def __init__(self, ec_sharder: EmbeddingCollectionSharder) -> None:
+        super().__init__(ec_sharder=ec_sharder)
+        self.table_sharder = ec_sharder
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+        """The table sharder's kernels for this sharding type and device.
+
+        Args:
+            sharding_type: e.g. ``row_wise``.
+            compute_device_type: ``cpu`` or ``cuda``.
+
+        Returns:
+            The kernel names.
+        """
+        return self.table_sharder.compute_kernels(sharding_type, compute_device_type)
+
+
+class DeviceAwareMCEBCSharder(ManagedCollisionEmbeddingBagCollectionSharder):
+    """TorchRec's managed-collision EBC sharder, offering only kernels the device has.
+
+    See :class:`DeviceAwareMCECSharder`.
+
+    Args:
+        ebc_sharder: the sharder of the collection's tables.
+    """
+
+    def __init__(self, ebc_sharder: EmbeddingBagCollectionSharder) -> None:
+        super().__init__(ebc_sharder=ebc_sharder)
+        self.table_sharder = ebc_sharder
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+        """The table sharder's kernels for this sharding type and device.
+
+        Args:
+            sharding_type: e.g. ``row_wise``.
+            compute_device_type: ``cpu`` or ``cuda``.
+
+        Returns:
+            The kernel names.
+        """
+        return self.table_sharder.compute_kernels(sharding_type, compute_device_type)
+
+
 def default_sharders(fused_params: dict[str, Any] | None) -> list[ModuleSharder[nn.Module]]:
     """TorchRec's default sharders, the training ones with the fused optimizer's settings.
 
     EBC, EC, feature-processed EBC and managed-collision EBC/EC sharders get ``fused_params``
-    (merged over :func:`default_fused_params`); the rest of TorchRec's defaults are kept as is.
+    (merged over :func:`default_fused_params`); the managed-collision ones offer only the
+    kernels the device has (:class:`DeviceAwareMCECSharder`); the rest of TorchRec's defaults
+    are kept as is.
 
     Args:
         fused_params: fused optimizer settings (``optimizer``, ``learning_rate``, ...).
@@ -72,11 +128,11 @@ def default_sharders(fused_params: dict[str, Any] | None) -> list[ModuleSharder[
         ebc,
         ec,
         FeatureProcessedEmbeddingBagCollectionSharder(ebc_sharder=ebc),
-        ManagedCollisionEmbeddingBagCollectionSharder(ebc_sharder=ebc),
-        ManagedCollisionEmbeddingCollectionSharder(ec_sharder=ec),
+        DeviceAwareMCEBCSharder(ebc),
+        DeviceAwareMCECSharder(ec),
     ]
-    replaced = {type(s) for s in ours}
-    return [*ours, *(s for s in get_default_sharders() if type(s) not in replaced)]
+    replaced = {s.module_type for s in ours}
+    return [*ours, *(s for s in get_default_sharders() if s.module_type not in replaced)]
 
 
 def has_fused_tables(plan: ShardingPlan) -> bool:

@@ -24,6 +24,7 @@ from torchrec.modules.embedding_modules import (
     EmbeddingBagCollectionInterface,
     EmbeddingCollectionInterface,
 )
+from torchrec.modules.mc_modules import ManagedCollisionCollection, ManagedCollisionModule
 
 from lightning_torchrec.compat.upstream import ShardedTensor, sharded_table_views, unwrap_compiled
 
@@ -105,13 +106,17 @@ def module_table_configs(model: nn.Module, module_path: str) -> dict[str, BaseEm
         module_path: a submodule path, as in a sharding plan.
 
     Returns:
-        ``{table name: config}``; empty for a missing module or one without table configs.
+        ``{table name: config}``: those of the embedding modules inside it when it has none
+        itself (a ``ManagedCollisionEmbeddingCollection``); empty for a missing module.
     """
     try:
         module = model.get_submodule(module_path) if module_path else model
     except AttributeError:
         return {}
-    return {c.name: c for c in configs_of(module) or []}
+    configs = configs_of(module)
+    if configs is None:  # e.g. a managed-collision collection: the tables of the one inside
+        configs = [c for found in embedding_modules(module).values() for c in found]
+    return {c.name: c for c in configs}
 
 
 def table_bytes(config: BaseEmbeddingConfig) -> int:
@@ -186,7 +191,9 @@ class FeatureSpec:
     Attributes:
         feature: the KJT key.
         table: the (smallest) table reading it.
-        num_embeddings: rows of that table: ids must lie in ``[0, num_embeddings)``.
+        num_embeddings: rows of that table: ids must lie in ``[0, num_embeddings)``; for a
+            managed-collision table, its collision module's raw-id bound (``input_size()``),
+            since the module remaps raw ids to rows.
         weighted: a weighted EBC reads it (``is_weighted=True``): the batch must carry weights.
     """
 
@@ -194,6 +201,24 @@ class FeatureSpec:
     table: str
     num_embeddings: int
     weighted: bool = False
+
+
+def managed_input_sizes(model: nn.Module) -> dict[str, int]:
+    """The raw-id bound of each managed-collision table (its module's ``input_size()``).
+
+    Args:
+        model: an unsharded model.
+
+    Returns:
+        ``{table name: input size}``; empty without managed-collision collections.
+    """
+    sizes: dict[str, int] = {}
+    for _, collection in unwrap(model).named_modules():
+        if isinstance(collection, ManagedCollisionCollection):
+            for path, module in collection.named_modules():
+                if isinstance(module, ManagedCollisionModule):
+                    sizes[path.rsplit(".", 1)[-1]] = int(module.input_size())
+    return sizes
 
 
 def feature_specs(model: nn.Module) -> dict[str, FeatureSpec]:
@@ -207,15 +232,17 @@ def feature_specs(model: nn.Module) -> dict[str, FeatureSpec]:
     """
     specs: dict[str, FeatureSpec] = {}
     inner = unwrap(model)
+    raw = managed_input_sizes(inner)
     for path, configs in embedding_modules(inner).items():
         module = inner.get_submodule(path) if path else inner
         weighted = bool(getattr(module, "is_weighted", lambda: False)())
         for cfg in configs:
+            rows = raw.get(cfg.name, cfg.num_embeddings)
             for feature in cfg.feature_names:
                 old = specs.get(feature)
-                if old is None or cfg.num_embeddings < old.num_embeddings:
+                if old is None or rows < old.num_embeddings:
                     weighted = weighted or bool(old and old.weighted)
-                    specs[feature] = FeatureSpec(feature, cfg.name, cfg.num_embeddings, weighted)
+                    specs[feature] = FeatureSpec(feature, cfg.name, rows, weighted)
                 elif weighted:
                     specs[feature] = dataclasses.replace(old, weighted=True)
     return specs
