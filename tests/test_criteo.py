@@ -20,6 +20,7 @@ from lightning_torchrec.data.criteo import (
     preprocess,
 )
 from lightning_torchrec.data.resumable import ResumableDataLoader, slot_and_skip
+from lightning_torchrec.errors import BatchValidationError
 from tests.helpers import clean_env, load_ranks, run_script, warning_lines
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -201,6 +202,46 @@ def test_data_module_preprocesses_tsv_once(criteo_dir: Path, tmp_path: Path) -> 
     assert int(batch.sparse_features.values().max()) < 500
     with pytest.raises(FileNotFoundError, match="neither TorchRec npy days"):
         CriteoDataModule(str(tmp_path / "cache" / "..")).prepare_data()
+
+
+def test_raw_ids_pass_through_unchanged(criteo_dir: Path, tmp_path: Path) -> None:
+    def first_batch(raw_ids: bool) -> torch.Tensor:
+        dm = CriteoDataModule(
+            str(criteo_dir),
+            num_embeddings_per_feature=SIZES,
+            batch_size=100,
+            cache_dir=str(tmp_path / "cache"),
+            raw_ids=raw_ids,
+        )
+        dm.prepare_data()
+        return next(iter(dm.train_dataloader())).sparse_features
+
+    raw, hashed = first_batch(True), first_batch(False)
+    sparse = direct_parse(criteo_dir / "day_0")[2]
+    assert raw.values().dtype == torch.int64 and raw.keys() == hashed.keys()
+    assert int(raw.values().max()) >= 2**31  # the 32-bit hex ids, not row numbers
+    assert int(raw.values().min()) >= 0
+    for f in range(26):
+        got = raw[f"cat_{f}"].values()
+        np.testing.assert_array_equal(got.numpy(), sparse[:100, f])
+        assert torch.equal(got % SIZES[f], hashed[f"cat_{f}"].values().to(torch.int64))
+
+
+def test_raw_ids_refuse_reduced_days_and_negative_ids(criteo_dir: Path, tmp_path: Path) -> None:
+    reduced = preprocess([criteo_dir / "day_0"], tmp_path / "reduced", SIZES)
+    with pytest.raises(ValueError, match="day_0_sparse.npy holds int32 ids"):
+        CriteoIterableDataset("train", reduced, 100, raw_ids=True)
+    raw = preprocess([criteo_dir / "day_0"], tmp_path / "raw", None)
+    with pytest.raises(ValueError, match="num_embeddings_per_feature=None"):
+        CriteoIterableDataset("train", raw, 100, num_embeddings_per_feature=SIZES, raw_ids=True)
+    # A 64-bit hex id above 2**63 - 1 has no non-negative int64: named, not passed on.
+    row = ["1"] + ["0"] * 13 + ["0a"] * 26
+    row[14 + 5] = "ffffffffffffffff"
+    (tmp_path / "wide").mkdir()
+    (tmp_path / "wide" / "day_0").write_text("\n".join(["\t".join(row)] * 4) + "\n")
+    days = preprocess([tmp_path / "wide" / "day_0"], tmp_path / "wide_npy", None)
+    with pytest.raises(BatchValidationError, match="feature cat_5: raw id -1 is negative"):
+        next(iter(CriteoIterableDataset("train", days, 4, raw_ids=True)))
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ features as 32-bit hex strings; any field may be empty. This module
   (memory bounded by one block of the input, whatever the file size). Fields are parsed as
   TorchRec's ``BinaryCriteoUtils.tsv_to_npys`` parses them (empty is 0, categoricals are base
   16); categorical ids are reduced modulo the table sizes as TorchRec's DLRM example does
-  (``id % num_embeddings``), and dense values become ``log(1 + max(x, 0))`` (DLRM's transform;
+  (``id % num_embeddings``), or kept raw (``raw_ids=True``, for managed-collision tables that
+  remap raw ids themselves), and dense values become ``log(1 + max(x, 0))`` (DLRM's transform;
   ``tsv_to_npys`` instead shifts by the file's minimum, which a stream cannot know in advance);
 * reads the npy files with TorchRec's ``InMemoryBinaryCriteoIterDataPipe`` (memory-mapped, each
   rank, and each DataLoader worker of it, takes its own batches), with an exact mid-epoch resume.
@@ -37,6 +38,7 @@ from torchrec.datasets.criteo import (
     BinaryCriteoUtils,
     InMemoryBinaryCriteoIterDataPipe,
 )
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_torchrec.data.batch import Batch
 from lightning_torchrec.data.criteo_files import (
@@ -53,6 +55,7 @@ from lightning_torchrec.data.resumable import (
     ResumableIterableDataset,
     worker_slot,
 )
+from lightning_torchrec.errors import BatchValidationError
 
 __all__ = [
     "CriteoDataModule",
@@ -80,9 +83,12 @@ class CriteoIterableDataset(ResumableIterableDataset):
         world_size: the number of ranks.
         num_workers: the DataLoader workers that will iterate this dataset (0 or more).
         num_embeddings_per_feature: ids are taken modulo these table sizes when read.
+        raw_ids: yield the stored ids unchanged, as ``int64`` (for managed-collision tables,
+            which remap raw ids themselves); ``num_embeddings_per_feature`` must then be None.
 
     Raises:
-        ValueError: for an empty stage, or ``val``/``test`` with more than one day.
+        ValueError: for an empty stage, ``val``/``test`` with more than one day, or ``raw_ids``
+            with table sizes or with days whose ids were reduced when preprocessed (not int64).
     """
 
     def __init__(
@@ -94,6 +100,7 @@ class CriteoIterableDataset(ResumableIterableDataset):
         world_size: int = 1,
         num_workers: int = 0,
         num_embeddings_per_feature: Sequence[int] | None = None,
+        raw_ids: bool = False,
     ) -> None:
         if not days:
             raise ValueError(f"no Criteo days for stage {stage!r}")
@@ -108,6 +115,9 @@ class CriteoIterableDataset(ResumableIterableDataset):
         self.hashes = (
             None if num_embeddings_per_feature is None else list(num_embeddings_per_feature)
         )
+        self.raw_ids = raw_ids
+        if raw_ids:
+            _check_raw_days(self.paths["sparse"], self.hashes)
         rows = [BinaryCriteoUtils.get_shape_from_npy(p)[0] for p in self.paths["dense"]]
         if stage == "val":
             rows = [math.ceil(rows[0] / 2)]
@@ -149,9 +159,39 @@ class CriteoIterableDataset(ResumableIterableDataset):
                 continue
             yield Batch(
                 dense_features=b.dense_features.clone(),
-                sparse_features=b.sparse_features,
+                sparse_features=_raw(b.sparse_features) if self.raw_ids else b.sparse_features,
                 labels=b.labels.to(torch.float32),
             )
+
+
+def _check_raw_days(sparse_files: Sequence[str], hashes: Sequence[int] | None) -> None:
+    """Refuses ``raw_ids`` with table sizes, or with days whose ids were reduced on disk."""
+    if hashes is not None:
+        raise ValueError(
+            "raw_ids=True yields the stored ids unchanged: pass num_embeddings_per_feature=None "
+            f"(got table sizes {list(hashes)[:3]}...)"
+        )
+    for path in sparse_files:
+        dtype = np.load(path, mmap_mode="r").dtype
+        if dtype != np.int64:
+            raise ValueError(
+                f"raw_ids=True needs raw int64 ids, but {path} holds {dtype} ids (reduced modulo "
+                "table sizes when preprocessed): preprocess without num_embeddings_per_feature"
+            )
+
+
+def _raw(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """The batch's raw ids; a negative one (a hex id of 64 bits) is refused, naming it."""
+    values = kjt.values()
+    if values.numel() and int(values.min()) < 0:
+        offsets = kjt.offset_per_key()
+        first = int(torch.nonzero(values < 0)[0])
+        key = next(k for k, end in zip(kjt.keys(), offsets[1:], strict=True) if first < end)
+        raise BatchValidationError(
+            f"feature {key}: raw id {int(values[first])} is negative (a hex id above 2**63 - 1); "
+            "raw ids must be non-negative int64"
+        )
+    return kjt
 
 
 class CriteoDataModule(ResumableDataModule):
@@ -172,6 +212,10 @@ class CriteoDataModule(ResumableDataModule):
         cache_dir: where preprocessed TSV files go (default ``path/npy``).
         rows_per_file: preprocessing splits the input into days of this many rows (use it for a
             single file such as ``train.txt``); None keeps one day per file.
+        raw_ids: pass the raw ids (Criteo's hashed ids, ``int64``, non-negative) through
+            unchanged instead of taking them modulo the table sizes: for a model whose tables
+            remap raw ids (``ManagedCollisionEmbeddingCollection``). The table sizes are then
+            only the model's, not applied to the ids.
     """
 
     def __init__(
@@ -183,6 +227,7 @@ class CriteoDataModule(ResumableDataModule):
         num_workers: int = 0,
         cache_dir: str | None = None,
         rows_per_file: int | None = None,
+        raw_ids: bool = False,
     ) -> None:
         super().__init__()
         self.path = Path(path)
@@ -198,6 +243,7 @@ class CriteoDataModule(ResumableDataModule):
         self.num_workers = num_workers
         self.cache_dir = Path(cache_dir) if cache_dir is not None else self.path / "npy"
         self.rows_per_file = rows_per_file
+        self.raw_ids = raw_ids
 
     @property
     def npy_dir(self) -> Path:
@@ -259,7 +305,8 @@ class CriteoDataModule(ResumableDataModule):
             rank=rank,
             world_size=world,
             num_workers=num_workers,
-            num_embeddings_per_feature=self.num_embeddings_per_feature,
+            num_embeddings_per_feature=None if self.raw_ids else self.num_embeddings_per_feature,
+            raw_ids=self.raw_ids,
         )
 
 
