@@ -30,6 +30,7 @@ from lightning_torchrec.fabric import TorchRecFabricStrategy
 from lightning_torchrec.lightning import (
     DLRMClickModule,
     EmbeddingNormCallback,
+    ManagedCollisionStatsCallback,
     PreemptionCheckpoint,
     SLURMRequeue,
     TorchRecModule,
@@ -64,6 +65,7 @@ __all__ = [
     "DLRMClickModule",
     "DenseAndFusedOptimizer",
     "EmbeddingNormCallback",
+    "ManagedCollisionStatsCallback",
     "ModelAndLoss",
     "NonFiniteCheckpointError",
     "NonFiniteLossError",

@@ -66,3 +66,42 @@ def test_the_remapping_state_changes_while_training(run: Path) -> None:
         changed = {k for k in first if not torch.equal(first[k], last[k])}
         assert any("_mch_counts" in k for k in changed)
         assert any(k.endswith(".weight") and "embeddings" in k for k in changed)
+
+
+def test_stats_callback_logs_open_slots_admissions_and_evictions_summed_over_ranks(
+    run: Path,
+) -> None:
+    full = load_ranks(run, "full")
+    logged = full[0]["logged"]
+    assert full[1]["logged"] == {}  # rank 0 writes; every rank counted
+    assert full[0]["last"] == full[1]["last"] and full[0]["last"]
+    assert set(range(1, STEPS + 1)) <= set(logged)
+    for table in ("t_cat_0", "t_cat_1"):
+        key = f"managed_collision/{table}/"
+        # Every rank's shard counts: the logged value is the sum of the ranks' own open slots.
+        for step in range(1, STEPS + 1):
+            local = sum(r["steps"][step]["open_slots"][table] for r in full)
+            assert logged[step][key + "open_slots"] == local, (table, step)
+        # 32 rows in 2 shards: 15 usable slots each (TorchRec keeps one per shard for misses).
+        opened = [30.0] + [logged[s][key + "open_slots"] for s in range(1, STEPS + 1)]
+        assert opened[STOP] == 0 and opened == sorted(opened, reverse=True)
+        for step in range(1, STEPS + 1):
+            got = logged[step][key + "admitted"] - logged[step][key + "evicted"]
+            assert got == opened[step - 1] - opened[step], (table, step)
+        assert sum(logged[s][key + "admitted"] for s in range(1, STEPS + 1)) > 30
+        assert sum(logged[s][key + "evicted"] for s in range(1, STEPS + 1)) > 0
+
+
+def test_resumed_stats_count_from_the_restored_state(run: Path) -> None:
+    full, resumed = load_ranks(run, "full")[0], load_ranks(run, "resumed")[0]
+
+    def counts(logged: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
+        return {
+            step: {k: v for k, v in values.items() if k.startswith("managed_collision/")}
+            for step, values in logged.items()
+        }
+
+    got, want = counts(resumed["logged"]), counts(full["logged"])
+    assert {s for s in got if got[s]} == set(range(STOP + 1, STEPS + 1))
+    for step in range(STOP + 1, STEPS + 1):
+        assert got[step] == want[step], step

@@ -46,6 +46,7 @@ __all__ = [
     "kernel_learning_rate",
     "kernel_step",
     "local_shape_and_global_offset",
+    "mch_held_ids",
     "planner_topology",
     "set_kernel_step",
     "sharded_tensor_group",
@@ -177,6 +178,22 @@ def unwrap_compiled(module: nn.Module) -> nn.Module:
         The compiled module's original, or ``module``.
     """
     return getattr(module, "_orig_mod", module)
+
+
+def mch_held_ids(module: nn.Module) -> torch.Tensor:
+    """The raw ids an ``MCHManagedCollisionModule`` holds now (one per filled slot), sorted.
+
+    TorchRec keeps them in the private buffer ``_mch_sorted_raw_ids`` (torchrec 1.6.1 through
+    1.9), an empty slot holding ``int64`` max; its public API says only how many slots are open.
+
+    Args:
+        module: an ``MCHManagedCollisionModule`` (or its shard on this rank).
+
+    Returns:
+        A new ``int64`` tensor of the held raw ids.
+    """
+    ids = module._mch_sorted_raw_ids
+    return ids[ids != torch.iinfo(torch.int64).max]
 
 
 def sharded_table_views(module: nn.Module) -> dict[str, torch.Tensor] | None:

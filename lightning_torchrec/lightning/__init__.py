@@ -5,6 +5,7 @@ Everything here is for ``lightning.Trainer`` users; the core below (``sharding``
 """
 
 from lightning_torchrec.lightning.dlrm import DLRMClickModule
+from lightning_torchrec.lightning.mc_callbacks import ManagedCollisionStatsCallback
 from lightning_torchrec.lightning.module import TorchRecModule
 from lightning_torchrec.lightning.norm_callbacks import EmbeddingNormCallback, WeightNormCallback
 from lightning_torchrec.lightning.preemption import PreemptionCheckpoint, SLURMRequeue
@@ -13,6 +14,7 @@ from lightning_torchrec.lightning.strategy import TorchRecStrategy
 __all__ = [
     "DLRMClickModule",
     "EmbeddingNormCallback",
+    "ManagedCollisionStatsCallback",
     "PreemptionCheckpoint",
     "SLURMRequeue",
     "TorchRecModule",

@@ -9,7 +9,9 @@ Phases:
 
 Both record, after every step, the loss and this rank's local state (its row-wise shard of each
 table, the MCH modules' buffers: sorted raw ids, their rows, LFU counts), plus the open slots of
-each table's shard; each rank writes ``{run}_rank{r}.pt``. The fused optimizer is ``exact_sgd``:
+each table's shard; each rank writes ``{run}_rank{r}.pt``. ``ManagedCollisionStatsCallback``
+logs every step to a capturing logger (rank 0 keeps what it wrote; every rank keeps its last
+values). The fused optimizer is ``exact_sgd``:
 with row-wise Adagrad, an admission resets the row's optimizer state through an fbgemm operator
 that has no CPU kernel.
 """
@@ -24,6 +26,7 @@ import lightning as L
 import torch
 from factory import cpu_trainer  # sibling module (script directory)
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torchrec.distributed.planner.types import ParameterConstraints
@@ -37,7 +40,7 @@ from torchrec.modules.mc_modules import (
 )
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from lightning_torchrec import SyntheticClickData, TorchRecStrategy
+from lightning_torchrec import ManagedCollisionStatsCallback, SyntheticClickData, TorchRecStrategy
 from lightning_torchrec.compat.upstream import ShardedTensor
 from lightning_torchrec.data.batch import Batch
 from lightning_torchrec.data.synthetic import SyntheticClickDataset
@@ -162,6 +165,28 @@ class Recorder(Callback):
         }
 
 
+class Capture(Logger):
+    """Keeps every logged metric: ``{step: {name: value}}``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics: dict[int, dict[str, float]] = {}
+
+    @property
+    def name(self) -> str:
+        return "capture"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.metrics.setdefault(int(step or 0), {}).update(metrics)
+
+
 def run(ckpt: Path | None = None) -> tuple[L.Trainer, Recorder]:
     L.seed_everything(3)
     data = RawIdData(
@@ -178,7 +203,7 @@ def run(ckpt: Path | None = None) -> tuple[L.Trainer, Recorder]:
         log_plan=False,
     )
     recorder = Recorder()
-    callbacks: list[Callback] = [recorder]
+    callbacks: list[Callback] = [recorder, ManagedCollisionStatsCallback(every_n_steps=1)]
     if ckpt is None:
         callbacks.append(
             ModelCheckpoint(dirpath=OUT / "ckpt", every_n_train_steps=STOP, save_top_k=-1)
@@ -191,19 +216,28 @@ def run(ckpt: Path | None = None) -> tuple[L.Trainer, Recorder]:
         callbacks=callbacks,
         enable_checkpointing=ckpt is None,
         default_root_dir=OUT,
+        logger=Capture(),
     )
     trainer.fit(model, datamodule=data, ckpt_path=ckpt)
     return trainer, recorder
+
+
+def logged(trainer: L.Trainer) -> dict[str, Any]:
+    stats = next(c for c in trainer.callbacks if isinstance(c, ManagedCollisionStatsCallback))
+    assert isinstance(trainer.logger, Capture)
+    return {"logged": trainer.logger.metrics, "last": stats.last_values}
 
 
 def main() -> None:
     trainer, recorder = run()
     rank = trainer.global_rank
     summary = trainer.strategy.plan_summary
-    torch.save({"steps": recorder.steps, "plan": summary}, OUT / f"full_rank{rank}.pt")
+    torch.save(
+        {"steps": recorder.steps, "plan": summary, **logged(trainer)}, OUT / f"full_rank{rank}.pt"
+    )
     ckpt = next((OUT / "ckpt").glob(f"*step={STOP}.ckpt"))
     trainer, recorder = run(ckpt)
-    torch.save({"steps": recorder.steps}, OUT / f"resumed_rank{rank}.pt")
+    torch.save({"steps": recorder.steps, **logged(trainer)}, OUT / f"resumed_rank{rank}.pt")
 
 
 if __name__ == "__main__":
