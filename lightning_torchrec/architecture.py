@@ -82,7 +82,8 @@ LAYERS: tuple[Layer, ...] = (
     Layer(
         "training",
         "the step's pieces: batch checks, the step guard (non-finite losses, uneven data), the "
-        "combined dense and fused optimizer, norms, metrics, TorchRec's train pipelines",
+        "combined dense and fused optimizer, norms, managed-collision counts, metrics, "
+        "TorchRec's train pipelines",
         (*_BASE, "sharding"),
     ),
     Layer(
@@ -99,7 +100,8 @@ LAYERS: tuple[Layer, ...] = (
     Layer(
         "lightning",
         "the Trainer glue: ``TorchRecStrategy`` with its setup checks, checkpoint and data hooks; "
-        "``TorchRecModule``, ``DLRMClickModule``; the norm and preemption callbacks",
+        "``TorchRecModule``, ``DLRMClickModule``; the norm, managed-collision and preemption "
+        "callbacks",
         (*_BASE, "data", "models", "sharding", "training", "checkpoint"),
         trainer=True,
     ),
