@@ -2,8 +2,9 @@
 
 :func:`export` reads a sharded checkpoint (saved on any number of ranks, under any plan) in one
 process without a process group, rebuilds the model for inference with its embedding tables
-quantized by TorchRec's own quantized ``EmbeddingBagCollection`` (fbgemm's row-wise int8/int4
-with a per-row fp16 scale and bias, or fp16/fp32 rows) and its dense part in fp32, and writes an
+quantized by TorchRec's own quantized ``EmbeddingBagCollection`` / ``EmbeddingCollection``
+(fbgemm's row-wise int8/int4 with a per-row fp16 scale and bias, or fp16/fp32 rows) and its
+dense part in fp32, and writes an
 artifact a serving process loads with ``import torch, torchrec`` only:
 
 - ``pt2`` (default): ``torch.export``; load with ``torch.export.load(path).module()``;
@@ -37,14 +38,12 @@ import torch
 import torchrec.fx
 from torch import nn
 from torch.export import Dim, ShapesCollection
-from torchrec.quant.embedding_modules import (
-    EmbeddingBagCollection as QuantEmbeddingBagCollection,
-)
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_torchrec.checkpoint.outputs import USER_ERRORS, OwnedTemp, check_output, user_error
 from lightning_torchrec.checkpoint.signing import read_key_file
 from lightning_torchrec.compat.upstream import drop_unused_range_constraints
+from lightning_torchrec.export.modules import strip_table_buffers
 from lightning_torchrec.export.quantize import DTYPES, quantize_from_checkpoint
 from lightning_torchrec.export.validate import IdRangeCheck, ServedModel, input_contract
 
@@ -58,8 +57,9 @@ class ExportResult:
 
     Attributes:
         model: the quantized eager model (what was traced); call it like the float model. Its
-            quantized EBCs no longer expose the tables in ``state_dict()`` (see :func:`trace`);
-            each has the id check in front (``IdOutOfRangeError``, see ``export.validate``).
+            quantized EBCs/ECs no longer expose the tables in ``state_dict()`` (see
+            :func:`trace`); each has the id check in front (``IdOutOfRangeError``, see
+            ``export.validate``).
         artifact: the ``torch.export.ExportedProgram`` or ``torch.jit.ScriptModule``.
         format: ``"pt2"`` or ``"torchscript"``.
         dtype: the table dtype name (``"int8"``, ...).
@@ -132,18 +132,6 @@ def _plain_kjt(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
     )
 
 
-def _strip_table_buffers(model: nn.Module) -> None:
-    """Drops the quantized EBCs' ``embedding_bags`` buffers before tracing.
-
-    They are views of fbgemm's weight buffer kept for ``state_dict()``; the forward reads the
-    buffer itself, which tracing captures as a constant. Serialising both would store every
-    table twice.
-    """
-    for sub in model.modules():
-        if isinstance(sub, QuantEmbeddingBagCollection):
-            sub.embedding_bags = nn.ModuleDict({name: nn.Module() for name in sub.embedding_bags})
-
-
 def trace(model: nn.Module, fmt: str, args: tuple[Any, ...] | None) -> Any:
     """Turns the quantized eager model into an artifact.
 
@@ -160,7 +148,7 @@ def trace(model: nn.Module, fmt: str, args: tuple[Any, ...] | None) -> Any:
     """
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
-    _strip_table_buffers(model)
+    strip_table_buffers(model)
     if fmt == "torchscript":
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -231,7 +219,7 @@ def export(
         checkpoint_dir: a sharded checkpoint directory (any world size and plan).
         module: the LightningModule: a dotted class path ``pkg.mod.Class`` (built from the
             checkpoint's saved ``hyper_parameters``), a class, or an instance (modified in
-            place: its EBCs are replaced by quantized ones).
+            place: its EBCs and ECs are replaced by quantized ones).
         output: where to write the artifact (and ``OUT.json`` beside it, describing the inputs);
             None writes nothing (the artifact is in the result).
         dtype: table dtype: ``"int8"``, ``"int4"`` (row-wise, per-row fp16 scale and bias),
@@ -252,7 +240,8 @@ def export(
         CheckpointMismatchError: if the checkpoint holds another model, naming the tables.
         FileNotFoundError: if ``checkpoint_dir`` is not a sharded checkpoint directory.
         ImportError: for an unknown module path, naming it.
-        TypeError: for a module without EBC tables or that cannot be built from the checkpoint.
+        TypeError: for a module without EBC/EC tables, with managed-collision tables, or that
+            cannot be built from the checkpoint.
     """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
@@ -271,6 +260,7 @@ def export(
         "features": facts["features"],
         "dense_width": facts["dense_width"],
         "weighted": facts["weighted"],
+        "sequence_features": facts["sequence_features"],
         "tables": {k: list(v) for k, v in facts["tables"].items()},
         "feature_tables": facts["feature_tables"],
         "input_contract": input_contract(facts["feature_tables"]),

@@ -1,28 +1,25 @@
 """Quantizing a sharded checkpoint's tables into TorchRec's quantized modules, one table at a time.
 
 The model is rebuilt for inference from the checkpoint's hyper-parameters
-(:func:`build_module`, :func:`inference_model`); its ``EmbeddingBagCollection`` s are replaced by
-TorchRec's quantized ``EmbeddingBagCollection`` (fbgemm's row-wise int8/int4 with a per-row fp16
-scale and bias, or fp16/fp32 rows), whose buffers are allocated once and filled as each table is
-streamed from the checkpoint (:func:`quantize_from_checkpoint`): at most one table is held in
-float. Each sits behind the id check of :mod:`lightning_torchrec.export.validate`;
+(:func:`build_module`, :func:`inference_model`); its ``EmbeddingBagCollection`` s and
+``EmbeddingCollection`` s are replaced by TorchRec's quantized twins (fbgemm's row-wise int8/int4
+with a per-row fp16 scale and bias, or fp16/fp32 rows; see
+:mod:`lightning_torchrec.export.modules`), whose buffers are allocated once and filled as each
+table is streamed from the checkpoint (:func:`quantize_from_checkpoint`): at most one table is
+held in float. Each sits behind the id check of :mod:`lightning_torchrec.export.validate`;
 :mod:`lightning_torchrec.export.artifact` traces and saves the result.
 """
 
 from __future__ import annotations
 
-import copy
 import importlib
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torchrec.modules.embedding_configs import DATA_TYPE_NUM_BITS, DataType, EmbeddingBagConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
-from torchrec.quant.embedding_modules import (
-    EmbeddingBagCollection as QuantEmbeddingBagCollection,
-)
+from torchrec.modules.embedding_configs import DATA_TYPE_NUM_BITS, BaseEmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from lightning_torchrec.checkpoint import (
     iter_plain_tensors,
@@ -31,17 +28,19 @@ from lightning_torchrec.checkpoint import (
     plain_tensor_index,
 )
 from lightning_torchrec.errors import CheckpointMismatchError
-from lightning_torchrec.export.validate import CheckedEmbeddings, IdRangeCheck
+from lightning_torchrec.export.modules import (
+    CPU_ROW_ALIGNMENT,
+    DTYPES,
+    EMBEDDING_MODULES,
+    empty_quantized,
+    id_check,
+    refuse_unsupported,
+    rows_attribute,
+    table_configs,
+    table_rows,
+)
+from lightning_torchrec.export.validate import CheckedEmbeddings
 from lightning_torchrec.sharding.tables import dense_width, table_bytes, table_of_key
-
-#: ``--dtype`` name to TorchRec's table data type.
-DTYPES: dict[str, DataType] = {
-    "int8": DataType.INT8,
-    "int4": DataType.INT4,
-    "fp16": DataType.FP16,
-    "fp32": DataType.FP32,
-}
-
 
 #: fbgemm's row-wise quantizer (``FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf``) needs the
 #: packed row to be a whole number of 2-byte words: int8 rows need an even width, int4 rows a
@@ -51,11 +50,6 @@ DIM_MULTIPLE: dict[str, int] = {"int8": 2, "int4": 4, "fp16": 1, "fp32": 1}
 
 #: Bytes of the per-row fp16 scale and bias of int8/int4 rows (stored first in each TBE row).
 SCALE_BIAS_BYTES = 4
-
-
-#: fbgemm pads every row to this many bytes on the CPU (its own CPU default; TorchRec's
-#: quantized EBC defaults to 16, a GPU cache-line choice that would waste up to 15 bytes a row).
-CPU_ROW_ALIGNMENT = 1
 
 
 #: Rows quantized per fbgemm call (bounds the temporary copies to a few MiB per table).
@@ -157,7 +151,7 @@ def inference_model(module: nn.Module) -> nn.Module:
     return inner if isinstance(inner, nn.Module) else module
 
 
-def _check_dims(dtype: str, configs: list[EmbeddingBagConfig]) -> None:
+def _check_dims(dtype: str, configs: list[BaseEmbeddingConfig]) -> None:
     multiple = DIM_MULTIPLE[dtype]
     bad = [f"{c.name} (dim {c.embedding_dim})" for c in configs if c.embedding_dim % multiple]
     if bad:
@@ -184,21 +178,6 @@ def quantized_row_bytes(dtype: str, dim: int) -> int:
     return -(-size // CPU_ROW_ALIGNMENT) * CPU_ROW_ALIGNMENT
 
 
-def _empty_quantized_ebc(ebc: EmbeddingBagCollection, dtype: str) -> QuantEmbeddingBagCollection:
-    configs = copy.deepcopy(ebc.embedding_bag_configs())
-    for config in configs:
-        config.data_type = DTYPES[dtype]
-    # No weights given: fbgemm allocates the (quantized) buffer once, uninitialised; every table
-    # is written into it as it streams from the checkpoint.
-    return QuantEmbeddingBagCollection(
-        tables=configs,
-        is_weighted=ebc.is_weighted(),
-        device=torch.device("cpu"),
-        output_dtype=torch.float,
-        row_alignment=CPU_ROW_ALIGNMENT,
-    )
-
-
 @torch.no_grad()
 def _write_quantized(rows: torch.Tensor, table: torch.Tensor, dtype: str) -> None:
     """Quantizes a float table into its TBE rows (``rows``: uint8 ``[N, row bytes]``).
@@ -221,16 +200,6 @@ def _write_quantized(rows: torch.Tensor, table: torch.Tensor, dtype: str) -> Non
             )
             out[:, :SCALE_BIAS_BYTES].copy_(fused[:, -SCALE_BIAS_BYTES:])
             out[:, SCALE_BIAS_BYTES : SCALE_BIAS_BYTES + data].copy_(fused[:, :-SCALE_BIAS_BYTES])
-
-
-def _id_check(ebc: EmbeddingBagCollection) -> IdRangeCheck:
-    return IdRangeCheck(
-        {
-            f: (c.name, c.num_embeddings)
-            for c in ebc.embedding_bag_configs()
-            for f in c.feature_names
-        }
-    )
 
 
 def _module_paths(root: nn.Module) -> dict[int, str]:
@@ -291,15 +260,16 @@ def quantize_from_checkpoint(
     Returns:
         ``(model in eval mode, facts)`` where facts holds ``tables`` (``{name: (rows, dim)}``),
         ``float_table_bytes``, ``quantized_table_bytes``, ``features`` (KJT keys in table
-        order), ``weighted``, ``dense_width``.
+        order), ``feature_tables``, ``sequence_features`` (those of ``EmbeddingCollection`` s:
+        one vector per id), ``weighted``, ``dense_width``.
 
     Raises:
         ValueError: for an unknown dtype or table widths the dtype cannot pack.
         CheckpointMismatchError: if the checkpoint holds another model, naming the tables.
         FileNotFoundError: if ``checkpoint`` is not a sharded checkpoint directory.
         ImportError: for an unknown module path.
-        TypeError: if the module does not hold a TorchRec ``EmbeddingBagCollection`` or holds
-            an ``EmbeddingCollection`` (not supported yet).
+        TypeError: if the module holds no TorchRec ``EmbeddingBagCollection`` or
+            ``EmbeddingCollection``, or holds managed-collision tables (not supported yet).
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -308,23 +278,22 @@ def quantize_from_checkpoint(
     root = build_module(checkpoint, module, key)
     target = inference_model(root)
     paths = _module_paths(root)
-    ebcs: dict[str, EmbeddingBagCollection] = {}
+    collections: dict[str, nn.Module] = {}
     for _, sub in target.named_modules():
-        if isinstance(sub, EmbeddingCollection):
-            raise TypeError(
-                f"{type(sub).__name__} (sequence embeddings) is not supported by the export; "
-                "only EmbeddingBagCollection"
-            )
-        if isinstance(sub, EmbeddingBagCollection):
+        refuse_unsupported(sub)
+        if isinstance(sub, EMBEDDING_MODULES):
             if id(sub) not in paths:
                 raise TypeError(
-                    "the exported model's EmbeddingBagCollection is not a submodule of the "
+                    f"the exported model's {type(sub).__name__} is not a submodule of the "
                     "module the checkpoint was saved from, so its checkpoint keys are unknown"
                 )
-            ebcs[paths[id(sub)]] = sub
-    if not ebcs:
-        raise TypeError(f"{type(target).__name__} holds no TorchRec EmbeddingBagCollection")
-    configs = [c for ebc in ebcs.values() for c in ebc.embedding_bag_configs()]
+            collections[paths[id(sub)]] = sub
+    if not collections:
+        raise TypeError(
+            f"{type(target).__name__} holds no TorchRec EmbeddingBagCollection or "
+            "EmbeddingCollection"
+        )
+    configs = [c for module in collections.values() for c in table_configs(module)]
     _check_dims(dtype, configs)
 
     expected = {k: tuple(v.shape) for k, v in root.state_dict().items()}
@@ -332,20 +301,14 @@ def quantize_from_checkpoint(
 
     # Quantized modules first (one quantized buffer each), then stream the checkpoint.
     rows_of: dict[str, torch.Tensor] = {}
-    quantized: dict[str, QuantEmbeddingBagCollection] = {}
-    for path, ebc in ebcs.items():
-        qebc = _empty_quantized_ebc(ebc, dtype)
-        quantized[path] = qebc
-        prefix = f"{path}.embedding_bags." if path else "embedding_bags."
-        for config in ebc.embedding_bag_configs():
-            # The TBE row of each table (uint8 view of fbgemm's buffer; int4 tables are wrapped
-            # in UInt4Tensor, whose .view(uint8) is the raw bytes).
-            rows_of[f"{prefix}{config.name}.weight"] = qebc.embedding_bags[config.name].weight.view(
-                torch.uint8
-            )
-        # The float EBC (meta or not) is dropped here; the served model checks its ids first.
-        _set_submodule(root, path, CheckedEmbeddings(_id_check(ebc), qebc))
-    table_prefixes = tuple(f"{p}." if p else "" for p in ebcs)
+    for path, module in collections.items():
+        quantized = empty_quantized(module, dtype)
+        prefix = f"{path}.{rows_attribute(module)}." if path else f"{rows_attribute(module)}."
+        for name, rows in table_rows(quantized).items():
+            rows_of[f"{prefix}{name}.weight"] = rows
+        # The float module (meta or not) is dropped here; the served model checks its ids first.
+        _set_submodule(root, path, CheckedEmbeddings(id_check(module), quantized))
+    table_prefixes = tuple(f"{p}." if p else "" for p in collections)
     tensors = iter_plain_tensors(checkpoint, verify=False, key=key)
     with torch.no_grad():
         for key, tensor in tensors:  # (the signing key was bound above)
@@ -382,7 +345,16 @@ def quantize_from_checkpoint(
             for c in configs
             for f in c.feature_names
         ],
-        "weighted": any(e.is_weighted() for e in ebcs.values()),
+        "weighted": any(
+            isinstance(m, EmbeddingBagCollection) and m.is_weighted() for m in collections.values()
+        ),
+        "sequence_features": [
+            f
+            for m in collections.values()
+            if not isinstance(m, EmbeddingBagCollection)
+            for c in table_configs(m)
+            for f in c.feature_names
+        ],
         "dense_width": dense_width(root),
         "example_inputs": getattr(root, "example_inputs", None),
     }

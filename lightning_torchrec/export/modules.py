@@ -1,0 +1,173 @@
+"""The embedding modules the export quantizes, bags and sequences alike.
+
+TorchRec's ``EmbeddingBagCollection`` pools bags of ids; its ``EmbeddingCollection`` returns one
+vector per id (sequence models).
+
+Each float module is replaced by its TorchRec quantized twin
+(``torchrec.quant.embedding_modules.EmbeddingBagCollection`` / ``EmbeddingCollection``: fbgemm's
+``IntNBitTableBatchedEmbeddingBagsCodegen``, pooled or with ``PoolingMode.NONE``), built empty
+(one buffer allocated, filled later as the checkpoint streams) with the tables' data type set to
+the export dtype. What differs between the two kinds is gathered here: the configs, the
+quantized module, where its table rows live (``embedding_bags`` / ``embeddings``) and the id
+check of its features.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig, DataType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
+from torchrec.quant.embedding_modules import (
+    EmbeddingBagCollection as QuantEmbeddingBagCollection,
+)
+from torchrec.quant.embedding_modules import (
+    EmbeddingCollection as QuantEmbeddingCollection,
+)
+
+from lightning_torchrec.export.validate import IdRangeCheck
+
+#: ``--dtype`` name to TorchRec's table data type.
+DTYPES: dict[str, DataType] = {
+    "int8": DataType.INT8,
+    "int4": DataType.INT4,
+    "fp16": DataType.FP16,
+    "fp32": DataType.FP32,
+}
+
+#: fbgemm pads every row to this many bytes on the CPU (its own CPU default; TorchRec's
+#: quantized modules default to 16, a GPU cache-line choice that would waste up to 15 bytes a
+#: row).
+CPU_ROW_ALIGNMENT = 1
+
+#: The float embedding modules the export replaces.
+EMBEDDING_MODULES = (EmbeddingBagCollection, EmbeddingCollection)
+
+#: The quantized modules that replace them (their tables are dropped before tracing).
+QUANTIZED_MODULES = (QuantEmbeddingBagCollection, QuantEmbeddingCollection)
+
+
+def refuse_unsupported(module: nn.Module) -> None:
+    """Refuses an embedding module the export cannot serve.
+
+    Args:
+        module: a submodule of the exported model.
+
+    Raises:
+        TypeError: for managed-collision modules (their remapping state is not exported),
+            naming the module's class.
+    """
+    if isinstance(module, BaseManagedCollisionEmbeddingCollection):
+        raise TypeError(
+            f"{type(module).__name__} (managed-collision tables) is not supported by the export: "
+            "the remapping of raw ids is not part of the artifact"
+        )
+
+
+def table_configs(module: nn.Module) -> list[BaseEmbeddingConfig]:
+    """The table configs of a float ``EmbeddingBagCollection`` or ``EmbeddingCollection``.
+
+    Args:
+        module: the embedding module.
+
+    Returns:
+        Its configs, in table order.
+    """
+    if isinstance(module, EmbeddingBagCollection):
+        return list(module.embedding_bag_configs())
+    return list(module.embedding_configs())
+
+
+def rows_attribute(module: nn.Module) -> str:
+    """Where a (float or quantized) embedding module keeps its tables in ``state_dict()``.
+
+    Args:
+        module: the embedding module.
+
+    Returns:
+        ``"embedding_bags"`` for bags, ``"embeddings"`` for an ``EmbeddingCollection``.
+    """
+    bags = (EmbeddingBagCollection, QuantEmbeddingBagCollection)
+    return "embedding_bags" if isinstance(module, bags) else "embeddings"
+
+
+def empty_quantized(module: nn.Module, dtype: str) -> nn.Module:
+    """The quantized twin of a float embedding module, its table buffer not yet written.
+
+    Args:
+        module: the float ``EmbeddingBagCollection`` or ``EmbeddingCollection`` (any device,
+            meta included: nothing is read from its tables).
+        dtype: a :data:`DTYPES` name.
+
+    Returns:
+        TorchRec's quantized module on the CPU, fp32 outputs, rows aligned to
+        :data:`CPU_ROW_ALIGNMENT`.
+    """
+    configs = copy.deepcopy(table_configs(module))
+    for config in configs:
+        config.data_type = DTYPES[dtype]
+    # No weights given: fbgemm allocates the (quantized) buffer once, uninitialised; every table
+    # is written into it as it streams from the checkpoint.
+    if isinstance(module, EmbeddingBagCollection):
+        return QuantEmbeddingBagCollection(
+            tables=configs,
+            is_weighted=module.is_weighted(),
+            device=torch.device("cpu"),
+            output_dtype=torch.float,
+            row_alignment=CPU_ROW_ALIGNMENT,
+        )
+    return QuantEmbeddingCollection(
+        tables=configs,
+        device=torch.device("cpu"),
+        need_indices=module.need_indices(),
+        output_dtype=torch.float,
+        row_alignment=CPU_ROW_ALIGNMENT,
+    )
+
+
+def table_rows(quantized: nn.Module) -> dict[str, torch.Tensor]:
+    """Each table's rows in a quantized module's buffer, as writable ``uint8 [rows, bytes]``.
+
+    Args:
+        quantized: from :func:`empty_quantized`.
+
+    Returns:
+        ``{table: rows}`` (int4 tables are wrapped in ``UInt4Tensor``, whose ``.view(uint8)``
+        is the raw bytes).
+    """
+    tables = getattr(quantized, rows_attribute(quantized))
+    return {name: holder.weight.view(torch.uint8) for name, holder in tables.items()}
+
+
+def id_check(module: nn.Module) -> IdRangeCheck:
+    """The id check of an embedding module's features: each against its table's rows.
+
+    Args:
+        module: the float embedding module.
+
+    Returns:
+        The check.
+    """
+    return IdRangeCheck(
+        {f: (c.name, c.num_embeddings) for c in table_configs(module) for f in c.feature_names}
+    )
+
+
+def strip_table_buffers(model: nn.Module) -> None:
+    """Drops the quantized modules' per-table buffers before tracing.
+
+    They are views of fbgemm's weight buffer kept for ``state_dict()``; the forward reads the
+    buffer itself, which tracing captures as a constant. Serialising both would store every
+    table twice.
+
+    Args:
+        model: the quantized model (changed in place).
+    """
+    for sub in model.modules():
+        if isinstance(sub, QUANTIZED_MODULES):
+            attr = rows_attribute(sub)
+            names = list(getattr(sub, attr))
+            setattr(sub, attr, nn.ModuleDict({name: nn.Module() for name in names}))
