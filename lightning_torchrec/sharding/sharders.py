@@ -53,12 +53,31 @@ def resolve_fused_params(fused_params: dict[str, Any] | None) -> dict[str, Any]:
     return params
 
 
-class DeviceAwareMCECSharder(ManagedCollisionEmbeddingCollectionSharder):
-    """TorchRec's managed-collision EC sharder, offering only kernels the device has.
+class TableKernels:
+    """Mixin for TorchRec's managed-collision sharders: offer only kernels the device has.
 
     TorchRec's managed-collision sharders offer the UVM and key-value kernels on every device,
     so on CPU the planner picks ``fused_uvm`` and fails (``Unrecognized or unsupported compute
-    kernel: fused_uvm``). This one offers what its ``EmbeddingCollection`` sharder offers.
+    kernel: fused_uvm``). With this mixin a sharder offers what its tables' sharder offers.
+    """
+
+    table_sharder: Any
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+        """The table sharder's kernels for this sharding type and device.
+
+        Args:
+            sharding_type: e.g. ``row_wise``.
+            compute_device_type: ``cpu`` or ``cuda``.
+
+        Returns:
+            The kernel names.
+        """
+        return self.table_sharder.compute_kernels(sharding_type, compute_device_type)
+
+
+class DeviceAwareMCECSharder(TableKernels, ManagedCollisionEmbeddingCollectionSharder):
+    """TorchRec's managed-collision EC sharder, offering only kernels the device has.
 
     Args:
         ec_sharder: the sharder of the collection's tables.
@@ -68,23 +87,9 @@ class DeviceAwareMCECSharder(ManagedCollisionEmbeddingCollectionSharder):
         super().__init__(ec_sharder=ec_sharder)
         self.table_sharder = ec_sharder
 
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
-        """The table sharder's kernels for this sharding type and device.
 
-        Args:
-            sharding_type: e.g. ``row_wise``.
-            compute_device_type: ``cpu`` or ``cuda``.
-
-        Returns:
-            The kernel names.
-        """
-        return self.table_sharder.compute_kernels(sharding_type, compute_device_type)
-
-
-class DeviceAwareMCEBCSharder(ManagedCollisionEmbeddingBagCollectionSharder):
+class DeviceAwareMCEBCSharder(TableKernels, ManagedCollisionEmbeddingBagCollectionSharder):
     """TorchRec's managed-collision EBC sharder, offering only kernels the device has.
-
-    See :class:`DeviceAwareMCECSharder`.
 
     Args:
         ebc_sharder: the sharder of the collection's tables.
@@ -93,18 +98,6 @@ class DeviceAwareMCEBCSharder(ManagedCollisionEmbeddingBagCollectionSharder):
     def __init__(self, ebc_sharder: EmbeddingBagCollectionSharder) -> None:
         super().__init__(ebc_sharder=ebc_sharder)
         self.table_sharder = ebc_sharder
-
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
-        """The table sharder's kernels for this sharding type and device.
-
-        Args:
-            sharding_type: e.g. ``row_wise``.
-            compute_device_type: ``cpu`` or ``cuda``.
-
-        Returns:
-            The kernel names.
-        """
-        return self.table_sharder.compute_kernels(sharding_type, compute_device_type)
 
 
 def default_sharders(fused_params: dict[str, Any] | None) -> list[ModuleSharder[nn.Module]]:
