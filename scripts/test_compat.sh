@@ -29,6 +29,12 @@ TESTS=(
     tests/test_device_checks.py
     tests/test_step_runner.py
     tests/test_fabric.py
+    tests/test_managed_collision.py
+    tests/test_managed_collision_multiprocess.py
+    tests/test_mid_epoch.py
+    tests/test_sequence.py
+    tests/test_sequence_multiprocess.py
+    tests/test_torchrun_cluster.py
 )
 
 # name: torch fbgemm-gpu-cpu torchrec [extra requirement files for the torchrec step]

@@ -16,6 +16,20 @@ from typing import Any
 #: colons in the regexes: pytest reads them as ini filters too (tests/conftest.py).
 UPSTREAM_WARNINGS: list[tuple[str, type[Warning], str, str]] = [
     (
+        "guard_size_oblivious will be removed",
+        FutureWarning,
+        r"torchrec\.pt2\.checks",
+        "TorchRec 1.6's pt2_guard_size_oblivious calls torch's deprecated guard_size_oblivious "
+        "when the export traces a quantized EmbeddingCollection (its KJT permute).",
+    ),
+    (
+        "_check_is_size will be removed",
+        FutureWarning,
+        r"torchrec\.pt2\.checks",
+        "TorchRec 1.6's pt2_checks_all_is_size calls torch's deprecated _check_is_size in the "
+        "same trace.",
+    ),
+    (
         "`broadcast_buffers` is deprecated",
         FutureWarning,
         r"torchrec\.distributed\..*",

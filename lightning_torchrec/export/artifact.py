@@ -152,6 +152,8 @@ def trace(model: nn.Module, fmt: str, args: tuple[Any, ...] | None) -> Any:
     if fmt == "torchscript":
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", category=DeprecationWarning)
+            # torch 2.14 deprecates it with a FutureWarning; the user asked for TorchScript.
+            warnings.filterwarnings("ignore", "`torch.jit.script` is deprecated", FutureWarning)
             warnings.filterwarnings("ignore", "The TorchScript type system", UserWarning)
             warnings.filterwarnings(
                 "ignore", "TorchScript will treat type annotations", UserWarning
@@ -198,6 +200,7 @@ def save_artifact(artifact: Any, fmt: str, output: str | Path) -> Path:
         else:
             with warnings.catch_warnings():  # TorchScript: deprecated in torch 2.13, as in trace()
                 warnings.filterwarnings("ignore", "`torch.jit.save`", DeprecationWarning)
+                warnings.filterwarnings("ignore", "`torch.jit.save`", FutureWarning)  # 2.14
                 torch.jit.save(artifact, f)
     return output
 
@@ -313,6 +316,7 @@ def load_artifact(path: str | Path) -> Any:
         return ServedModel(torch.export.load(path).module())
     with warnings.catch_warnings():  # TorchScript: deprecated in torch 2.13, as in trace()
         warnings.filterwarnings("ignore", "`torch.jit.load`", DeprecationWarning)
+        warnings.filterwarnings("ignore", "`torch.jit.load`", FutureWarning)  # torch 2.14
         return ServedModel(torch.jit.load(str(path)))
 
 
