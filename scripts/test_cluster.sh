@@ -38,8 +38,9 @@ if [ ${#missing[@]} -gt 0 ]; then
   say "installing slurm-wlm and munge (missing: ${missing[*]})"
   command -v apt-get >/dev/null || fail "no apt-get: install slurm-wlm and munge by hand"
   before=$(dpkg-query -W -f='${Package}\n' | sort)
+  APT_LOG=$(mktemp -t test-cluster-apt.XXXXXX)
   DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends slurm-wlm munge \
-    >/tmp/test-cluster-apt.log 2>&1 || fail "apt-get install failed: see /tmp/test-cluster-apt.log"
+    >"$APT_LOG" 2>&1 || fail "apt-get install failed: see $APT_LOG"
   mapfile -t INSTALLED < <(comm -13 <(echo "$before") <(dpkg-query -W -f='${Package}\n' | sort))
 fi
 say "$(slurmctld -V), munge $(munged -V 2>&1 | awk '{print $1}' | sed 's/munge-//')"
@@ -65,14 +66,14 @@ cleanup() {
   fi
   if [ "${KEEP:-0}" = 1 ]; then say "kept $WORK"; else rm -rf "$WORK"; fi
   if [ ${#INSTALLED[@]} -gt 0 ] && [ "${KEEP_SLURM:-0}" != 1 ]; then
-    DEBIAN_FRONTEND=noninteractive apt-get purge -y "${INSTALLED[@]}" >>/tmp/test-cluster-apt.log 2>&1 &&
+    DEBIAN_FRONTEND=noninteractive apt-get purge -y "${INSTALLED[@]}" >>"$APT_LOG" 2>&1 &&
       say "removed the packages this run installed: ${INSTALLED[*]}"
   fi
   say "daemons stopped; exit status $status"
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
-WORK=$(mktemp -d /tmp/lightning-torchrec-slurm.XXXXXX)
+WORK=$(mktemp -d -t lightning-torchrec-slurm.XXXXXX)
 chmod 700 "$WORK"
 
 free_port() { "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
