@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,8 +24,63 @@ def host_to_accelerator(source: torch.device, target: torch.device) -> bool:
     return source.type == "cpu" and target.type not in ("cpu", "meta")
 
 
+class TensorFields(Pipelineable):
+    """Device moves, streams and pinning for a dataclass batch whose fields are tensors or KJTs.
+
+    A field may be None (e.g. no sample weights); it stays None.
+    """
+
+    def _fields(self) -> dict[str, object]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+
+    def _map(self, fn: Callable[[object], object]) -> TensorFields:
+        return type(self)(**{k: None if v is None else fn(v) for k, v in self._fields().items()})
+
+    def to(self, device: torch.device | str, non_blocking: bool | None = None) -> TensorFields:
+        """Moves every tensor of the batch to ``device``.
+
+        Args:
+            device: the target device.
+            non_blocking: passed to ``Tensor.to``; None (the default) means True from the host
+                to an accelerator and False otherwise. Lightning moves a batch with
+                ``batch.to(device)``: a blocking copy would make the host wait for the GPU
+                queue at every step, while a non-blocking one from pinned memory is queued
+                before the step's kernels on the same stream.
+
+        Returns:
+            A new batch on ``device``.
+        """
+        if non_blocking is None:
+            labels = self._fields()["labels"]
+            assert isinstance(labels, torch.Tensor)
+            non_blocking = host_to_accelerator(labels.device, torch.device(device))
+        return self._map(lambda t: t.to(device=device, non_blocking=non_blocking))  # type: ignore[attr-defined]
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        """Marks every tensor as used by ``stream`` (for TorchRec's pipelined training).
+
+        Args:
+            stream: the CUDA stream.
+        """
+        for value in self._fields().values():
+            if value is not None:
+                value.record_stream(stream)  # type: ignore[attr-defined]
+
+    def pin_memory(self) -> TensorFields:
+        """Returns a copy of the batch in pinned host memory.
+
+        Returns:
+            The pinned batch, with the attributes set on this one (e.g. the verdict a DataLoader
+            worker attached, see ``lightning_torchrec.training.worker_checks``).
+        """
+        pinned = self._map(lambda t: t.pin_memory())  # type: ignore[attr-defined]
+        fields = self._fields()
+        vars(pinned).update({k: v for k, v in vars(self).items() if k not in fields})
+        return pinned
+
+
 @dataclass
-class Batch(Pipelineable):
+class Batch(TensorFields):
     """A recommendation batch in TorchRec's layout, with optional per-sample weights.
 
     It has the fields of ``torchrec.datasets.utils.Batch`` (so TorchRec models and train
@@ -41,57 +97,3 @@ class Batch(Pipelineable):
     sparse_features: KeyedJaggedTensor
     labels: torch.Tensor
     weights: torch.Tensor | None = None
-
-    def to(self, device: torch.device | str, non_blocking: bool | None = None) -> Batch:
-        """Moves every tensor of the batch to ``device``.
-
-        Args:
-            device: the target device.
-            non_blocking: passed to ``Tensor.to``; None (the default) means True from the host
-                to an accelerator and False otherwise. Lightning moves a batch with
-                ``batch.to(device)``: a blocking copy would make the host wait for the GPU
-                queue at every step, while a non-blocking one from pinned memory is queued
-                before the step's kernels on the same stream.
-
-        Returns:
-            A new batch on ``device``.
-        """
-        if non_blocking is None:
-            non_blocking = host_to_accelerator(self.dense_features.device, torch.device(device))
-        return Batch(
-            dense_features=self.dense_features.to(device=device, non_blocking=non_blocking),
-            sparse_features=self.sparse_features.to(device=device, non_blocking=non_blocking),
-            labels=self.labels.to(device=device, non_blocking=non_blocking),
-            weights=None
-            if self.weights is None
-            else self.weights.to(device=device, non_blocking=non_blocking),
-        )
-
-    def record_stream(self, stream: torch.Stream) -> None:
-        """Marks every tensor as used by ``stream`` (for TorchRec's pipelined training).
-
-        Args:
-            stream: the CUDA stream.
-        """
-        self.dense_features.record_stream(stream)
-        self.sparse_features.record_stream(stream)
-        self.labels.record_stream(stream)
-        if self.weights is not None:
-            self.weights.record_stream(stream)
-
-    def pin_memory(self) -> Batch:
-        """Returns a copy of the batch in pinned host memory.
-
-        Returns:
-            The pinned batch, with the attributes set on this one (e.g. the verdict a DataLoader
-            worker attached, see ``lightning_torchrec.training.worker_checks``).
-        """
-        pinned = Batch(
-            dense_features=self.dense_features.pin_memory(),
-            sparse_features=self.sparse_features.pin_memory(),
-            labels=self.labels.pin_memory(),
-            weights=None if self.weights is None else self.weights.pin_memory(),
-        )
-        fields = {f.name for f in dataclasses.fields(self)}
-        vars(pinned).update({k: v for k, v in vars(self).items() if k not in fields})
-        return pinned

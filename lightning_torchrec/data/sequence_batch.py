@@ -21,9 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-from torchrec.streamable import Pipelineable
 
-from lightning_torchrec.data.batch import host_to_accelerator
+from lightning_torchrec.data.batch import TensorFields
 
 ITEM_SEQ = "item_seq"
 ITEM_TARGET = "item_target"
@@ -33,7 +32,7 @@ SEQUENCE_FEATURES = (ITEM_SEQ, ITEM_TARGET, ITEM_CANDIDATES)
 
 
 @dataclass
-class SequenceBatch(Pipelineable):
+class SequenceBatch(TensorFields):
     """A batch of item histories with their next items.
 
     Attributes:
@@ -45,50 +44,6 @@ class SequenceBatch(Pipelineable):
     sparse_features: KeyedJaggedTensor
     labels: torch.Tensor
     weights: torch.Tensor | None = None
-
-    def to(self, device: torch.device | str, non_blocking: bool | None = None) -> SequenceBatch:
-        """Moves every tensor of the batch to ``device``.
-
-        Args:
-            device: the target device.
-            non_blocking: passed to ``Tensor.to``; None means True from the host to an
-                accelerator (see :meth:`lightning_torchrec.data.Batch.to`).
-
-        Returns:
-            A new batch on ``device``.
-        """
-        if non_blocking is None:
-            non_blocking = host_to_accelerator(self.labels.device, torch.device(device))
-        return SequenceBatch(
-            sparse_features=self.sparse_features.to(device=device, non_blocking=non_blocking),
-            labels=self.labels.to(device=device, non_blocking=non_blocking),
-            weights=None
-            if self.weights is None
-            else self.weights.to(device=device, non_blocking=non_blocking),
-        )
-
-    def record_stream(self, stream: torch.Stream) -> None:
-        """Marks every tensor as used by ``stream`` (for TorchRec's pipelined training).
-
-        Args:
-            stream: the CUDA stream.
-        """
-        self.sparse_features.record_stream(stream)
-        self.labels.record_stream(stream)
-        if self.weights is not None:
-            self.weights.record_stream(stream)
-
-    def pin_memory(self) -> SequenceBatch:
-        """Returns a copy of the batch in pinned host memory.
-
-        Returns:
-            The pinned batch.
-        """
-        return SequenceBatch(
-            sparse_features=self.sparse_features.pin_memory(),
-            labels=self.labels.pin_memory(),
-            weights=None if self.weights is None else self.weights.pin_memory(),
-        )
 
 
 def sequence_batch(
