@@ -18,6 +18,16 @@ class CheckpointMismatchError(ValueError):
     """A checkpoint's tensors do not fit the model or optimizer it is loaded into."""
 
 
+class ManagedCollisionLayoutError(CheckpointMismatchError):
+    """A checkpoint's managed-collision state was sharded over other rows per rank than now.
+
+    Names the tables, the saved and current row-wise shards and the number of ranks of each.
+    A managed-collision module's state is per shard (the raw ids of the shard's bucket, and one
+    row for the ids of that bucket it has not admitted), so it does not carry over exactly to
+    another world size; such a load is refused before anything is read.
+    """
+
+
 class NonFiniteLossError(FloatingPointError):
     """The training loss was NaN or infinite on some rank."""
 

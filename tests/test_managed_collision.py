@@ -10,6 +10,12 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingCollection
@@ -20,6 +26,13 @@ from torchrec.modules.mc_modules import (
 )
 from torchrec.sparse.jagged_tensor import JaggedTensor
 
+from lightning_torchrec.checkpoint.mc_layout import (
+    check_managed_collision_layout,
+    row_ranges,
+    saved_row_ranges,
+)
+from lightning_torchrec.compat.upstream import managed_collision_table
+from lightning_torchrec.errors import CheckpointMismatchError, ManagedCollisionLayoutError
 from lightning_torchrec.lightning.mc_callbacks import ManagedCollisionStatsCallback
 from lightning_torchrec.sharding.sharders import (
     DeviceAwareMCEBCSharder,
@@ -105,3 +118,67 @@ def test_stats_callback_refuses_a_model_without_managed_collision_or_no_logger()
     with pytest.raises(MisconfigurationException, match="no MCHManagedCollisionModule"):
         callback.on_train_start(trainer, nn.Linear(2, 2))  # type: ignore[arg-type]
     callback.on_train_start(trainer, mc_model())  # type: ignore[arg-type]
+
+
+def saved_as(model: nn.Module, *shards: tuple[int, int]) -> Metadata:
+    """DCP metadata of ``model``'s state saved with each 1-D entry in ``shards`` row ranges."""
+    entries = {}
+    for key, value in model.state_dict().items():
+        ranges = shards if value.dim() == 1 and len(value) == 32 else ((0, len(value)),)
+        chunks = [ChunkStorageMetadata(torch.Size([a]), torch.Size([b - a])) for a, b in ranges]
+        props = TensorProperties(dtype=value.dtype)
+        entries[f"state_dict.{key}"] = TensorStorageMetadata(props, value.shape, chunks)
+    return Metadata(state_dict_metadata=entries)
+
+
+def flat(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {f"state_dict.{k}": v for k, v in model.state_dict().items()}
+
+
+def test_managed_collision_entries_are_found_by_table() -> None:
+    keys = list(mc_model().state_dict())
+    mc = {k: managed_collision_table(k) for k in keys if managed_collision_table(k)}
+    assert set(mc.values()) == {"t0"}
+    assert any(k.endswith("._mch_sorted_raw_ids") for k in mc)
+    assert managed_collision_table("mc._embedding_module.embeddings.t0.weight") is None
+
+
+def test_row_ranges_of_a_plain_tensor_and_saved_chunks() -> None:
+    assert row_ranges(torch.zeros(32)) == ((0, 32),)
+    assert row_ranges(torch.zeros(())) is None and row_ranges("not a tensor") is None
+    entry = saved_as(mc_model(), (16, 32), (0, 16)).state_dict_metadata
+    key = next(k for k in entry if k.endswith("_mch_sorted_raw_ids"))
+    assert saved_row_ranges(entry[key]) == ((0, 16), (16, 32))
+
+
+def test_managed_collision_state_of_another_layout_is_refused_naming_the_table() -> None:
+    model = mc_model()
+    check_managed_collision_layout("ck", flat(model), saved_as(model, (0, 32)))  # same: fine
+    with pytest.raises(ManagedCollisionLayoutError) as err:
+        check_managed_collision_layout("ck", flat(model), saved_as(model, (0, 16), (16, 32)))
+    msg = str(err.value)
+    assert "Refusing to load ck" in msg
+    assert (
+        "table 't0' (module mc._managed_collision_collection._managed_collision_modules.t0): "
+        "saved by 2 ranks as rows [0, 16) [16, 32), now 1 rank with rows [0, 32)"
+    ) in msg
+    assert "Load it on 2 ranks" in msg and isinstance(err.value, CheckpointMismatchError)
+
+
+def test_layout_check_leaves_other_entries_and_other_sizes_to_the_shape_check() -> None:
+    model = mc_model()
+    meta = saved_as(model, (0, 16), (16, 32))
+    # Only managed-collision entries count: a plain 32-row tensor saved in two chunks is fine.
+    other = {"state_dict.dense.weight": torch.zeros(32)}
+    meta.state_dict_metadata["state_dict.dense.weight"] = TensorStorageMetadata(
+        TensorProperties(dtype=torch.float32),
+        torch.Size([32]),
+        [ChunkStorageMetadata(torch.Size([a]), torch.Size([16])) for a in (0, 16)],
+    )
+    state = flat(model)
+    refused = {k for k in state if k.endswith("_mch_sorted_raw_ids")}
+    smaller = {k: torch.zeros(8, dtype=v.dtype) if k in refused else v for k, v in state.items()}
+    with pytest.raises(ManagedCollisionLayoutError):  # the other MCH buffers still differ
+        check_managed_collision_layout("ck", {**other, **smaller}, meta)
+    only = {k: v for k, v in smaller.items() if k in refused}
+    check_managed_collision_layout("ck", {**other, **only}, meta)  # another size: not this check

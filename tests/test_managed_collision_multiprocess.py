@@ -1,28 +1,64 @@
 """2 ranks: a ``ManagedCollisionEmbeddingCollection`` takes raw 64-bit ids, trains with row-wise
-tables, and a sharded checkpoint resumes its remapping state and tables bit for bit.
+tables, and a sharded checkpoint resumes its remapping state and tables bit for bit; on another
+world size it is refused, naming the tables, before anything is loaded.
 
-One launch (tests/scripts/mc_ranks.py) runs both phases; these tests read what each rank
-recorded.
+One launch (tests/scripts/mc_ranks.py) runs its phases; these tests read what each rank
+recorded. The one-rank runs (a checkpoint for the launch to refuse, a load of the launch's
+checkpoint) run in this process.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+from lightning_torchrec import load_unsharded
+from lightning_torchrec.errors import CheckpointMismatchError, ManagedCollisionLayoutError
+from lightning_torchrec.training.mc_stats import mch_modules
 from tests.helpers import load_ranks, run_script
+from tests.scripts.factory import cpu_trainer
+from tests.scripts.mc_model import ROWS, STEPS, STOP, data, lookup, module, probe_ids, strategy
 
-STEPS, STOP = 8, 4
 RAW_IDS = "_mch_sorted_raw_ids"
 EMPTY = torch.iinfo(torch.int64).max  # what an MCH module holds in a slot with no id yet
+TABLES = ("t_cat_0", "t_cat_1")
+
+
+class LookupAtStop(Callback):
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, *_: object
+    ) -> None:
+        if trainer.global_step == STOP:
+            self.lookup = lookup(pl_module)
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def one_rank(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A step-``STOP`` checkpoint written by one rank, and its id -> embedding mapping."""
+    out = tmp_path_factory.mktemp("mc_one_rank")
+    L.seed_everything(3)
+    at_stop = LookupAtStop()
+    saver = ModelCheckpoint(dirpath=out, every_n_train_steps=STOP, save_top_k=-1)
+    trainer = cpu_trainer(
+        strategy(),
+        max_steps=STOP,
+        limit_val_batches=0,
+        callbacks=[at_stop, saver],
+        enable_checkpointing=True,
+        default_root_dir=out,
+    )
+    trainer.fit(module(), datamodule=data())
+    return next(out.glob(f"*step={STOP}.ckpt")), at_stop.lookup
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory, one_rank: tuple[Path, object]) -> Path:
     out = tmp_path_factory.mktemp("mc_ranks")
-    run_script("mc_ranks.py", str(out))
+    run_script("mc_ranks.py", str(out), str(one_rank[0]))
     return out
 
 
@@ -105,3 +141,86 @@ def test_resumed_stats_count_from_the_restored_state(run: Path) -> None:
     assert {s for s in got if got[s]} == set(range(STOP + 1, STEPS + 1))
     for step in range(STOP + 1, STEPS + 1):
         assert got[step] == want[step], step
+
+
+def test_resume_keeps_every_ids_embedding(run: Path) -> None:
+    for full, resumed in zip(load_ranks(run, "full"), load_ranks(run, "resumed"), strict=True):
+        saved, restored = full["steps"][STOP]["lookup"], resumed["steps"][STOP]["lookup"]
+        assert set(saved) == {"cat_0", "cat_1"}
+        for feature, rows in saved.items():
+            assert rows.shape == (len(probe_ids()), 4)
+            assert torch.equal(restored[feature], rows), feature
+
+
+def admitted(full: list[dict], table: str) -> torch.Tensor:
+    """Which probe ids some rank's shard of ``table`` held at ``STOP``."""
+    held = [
+        v
+        for r in full
+        for k, v in r["steps"][STOP]["state"].items()
+        if k.endswith(f"{table}.{RAW_IDS}")
+    ]
+    return torch.isin(probe_ids(), torch.cat(held))
+
+
+def test_ids_not_admitted_look_up_the_row_of_their_shard(run: Path) -> None:
+    # Why the state is bound to its layout: each shard keeps its own row for ids it did not
+    # admit, chosen by the id's bucket (rank 0: the lower half of the range).
+    full = load_ranks(run, "full")
+    lower = probe_ids() < 2**39
+    for i, table in enumerate(TABLES):
+        rows = full[0]["steps"][STOP]["lookup"][f"cat_{i}"]
+        known = admitted(full, table)
+        assert 0 < int(known.sum()) <= 30 and int(known[ROWS:].sum()) == 0
+        for half in (lower, ~lower):
+            missed = rows[~known & half]
+            assert len(missed) > 0 and bool((missed == missed[0]).all()), (table, half[0])
+        assert not torch.equal(rows[~known & lower][0], rows[~known & ~lower][0]), table
+
+
+def test_a_one_rank_checkpoint_is_refused_on_two_ranks_and_nothing_is_loaded(run: Path) -> None:
+    for r in load_ranks(run, "from_one_rank"):
+        assert r["error"] == "ManagedCollisionLayoutError", r["error"]
+        for table in TABLES:
+            assert (
+                f"table '{table}' (module model_and_loss.model.mc_ec._managed_collision_collection."
+                f"_managed_collision_modules.{table}): saved by 1 rank as rows [0, 32), now 2 "
+                "ranks with rows [0, 16) [16, 32)"
+            ) in r["message"]
+        assert "Load it on 1 rank" in r["message"]
+        state = r["state"]
+        raw = [v for k, v in state.items() if k.endswith(RAW_IDS)]
+        tables = [v for k, v in state.items() if k.endswith(".weight") and "embeddings" in k]
+        assert len(raw) == 2 and all(bool((v == EMPTY).all()) for v in raw)
+        assert len(tables) == 2 and all(not v.any() for v in tables)  # init_fn zeros, no rows
+
+
+def test_a_two_rank_checkpoint_is_refused_on_one_rank_and_nothing_is_loaded(run: Path) -> None:
+    ckpt = next((run / "ckpt").glob(f"*step={STOP}.ckpt"))
+    model = module()
+    trainer = cpu_trainer(strategy(), max_steps=STOP + 1, limit_val_batches=0)
+    with pytest.raises(ManagedCollisionLayoutError) as err:
+        trainer.fit(model, datamodule=data(), ckpt_path=ckpt)
+    assert isinstance(err.value, CheckpointMismatchError)
+    for table in TABLES:
+        assert (
+            f"table '{table}' (module model_and_loss.model.mc_ec._managed_collision_collection."
+            f"_managed_collision_modules.{table}): saved by 2 ranks as rows [0, 16) [16, 32), "
+            "now 1 rank with rows [0, 32)"
+        ) in str(err.value)
+    for table, mch in mch_modules(model).items():
+        assert bool((getattr(mch, RAW_IDS) == EMPTY).all()), table
+
+
+def test_one_process_loads_refuse_a_two_rank_checkpoint_and_keep_a_one_rank_one(
+    run: Path, one_rank: tuple[Path, dict[str, torch.Tensor]]
+) -> None:
+    ckpt = next((run / "ckpt").glob(f"*step={STOP}.ckpt"))
+    with pytest.raises(ManagedCollisionLayoutError, match="saved by 2 ranks as rows"):
+        load_unsharded(ckpt, module())
+    # One rank's layout is the unsharded one: every id keeps its embedding.
+    path, saved = one_rank
+    restored = lookup(load_unsharded(path, module()))
+    assert set(restored) == set(saved)
+    for feature, rows in saved.items():
+        assert torch.equal(restored[feature], rows), feature

@@ -28,6 +28,7 @@ from lightning_torchrec.checkpoint.common import (
 )
 from lightning_torchrec.checkpoint.folder import UNVERIFIED, CheckpointFolder, read_dcp_metadata
 from lightning_torchrec.checkpoint.limits import CheckpointLimits
+from lightning_torchrec.checkpoint.mc_layout import check_managed_collision_layout
 from lightning_torchrec.checkpoint.names import (
     DCP_METADATA,
     META_FILE,
@@ -229,6 +230,8 @@ def load_sharded(
         FileNotFoundError: if ``path`` is not a complete sharded checkpoint.
         CheckpointMismatchError: if the model or the optimizer state does not fit the checkpoint
             (on any rank), or ``path`` is a single-file checkpoint of another strategy.
+        ManagedCollisionLayoutError: if a managed-collision table was saved sharded over other
+            rows per rank (another world size), naming the tables; nothing is loaded.
         CheckpointCorruptError: if a file is damaged, truncated or missing, naming it.
         UnsafeCheckpointError: if a file would run code when loaded, naming it (for ``meta.pt``
             only when ``weights_only`` is True), or reaches outside its folder.
@@ -269,6 +272,7 @@ def load_sharded(
             groups = _read_param_groups(folder, rank, _saved_world_size(folder, meta))
             _check_hyper_params(groups, optimizers, path)
         check_compatible(path, state, "model", metadata=metadata)
+        check_managed_collision_layout(path, _flatten(state), metadata)
         for i, opt in enumerate(optimizers if load_optimizer_states else []):
             init_optimizer_state(opt)
             target = opt.state_dict()["state"]

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from lightning_torchrec.checkpoint.common import MODEL_KEY, check_is_checkpoint, dcp_error
 from lightning_torchrec.checkpoint.folder import UNVERIFIED, CheckpointFolder
 from lightning_torchrec.checkpoint.limits import CheckpointLimits
+from lightning_torchrec.checkpoint.mc_layout import check_managed_collision_layout
 from lightning_torchrec.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
 from lightning_torchrec.compat.upstream import ShardedTensor
 from lightning_torchrec.errors import (
@@ -257,12 +258,14 @@ def load_unsharded(
     Raises:
         TypeError: if ``init_args`` are given with a module instance.
         CheckpointMismatchError: if the model does not fit the checkpoint, naming the keys.
+        ManagedCollisionLayoutError: if a managed-collision table was saved sharded over more
+            than one rank (its state is per shard), naming the tables; nothing is loaded.
         CheckpointCorruptError: if a file is damaged, truncated or missing, naming it.
         UnsafeCheckpointError: if a file would run code when loaded, naming it.
         FileNotFoundError: if ``checkpoint`` is not a complete sharded checkpoint.
     """
     checkpoint = Path(checkpoint)
-    folder, entries, _ = _open(checkpoint, True, key, limits)
+    folder, entries, metadata = _open(checkpoint, True, key, limits)
     if isinstance(module, type):
         meta = folder.meta(weights_only)
         hparams = meta.get("hyper_parameters") or {}
@@ -272,6 +275,8 @@ def load_unsharded(
     elif init_args:
         raise TypeError(f"constructor arguments {sorted(init_args)} need a class, not a module")
     shapes = {k: tuple(v.size) for k, v in entries.items()}
+    target = {f"{MODEL_KEY}.{k}": v for k, v in module.state_dict().items()}
+    check_managed_collision_layout(checkpoint, target, metadata)
     tensors = iter_plain_tensors(checkpoint, verify=False, key=key, limits=limits)
     fill_plain(module, shapes, tensors, strict)
     return module

@@ -364,3 +364,27 @@ def assert_async(condition: torch.Tensor, message: str) -> None:
         message: the error's text.
     """
     torch._assert_async(condition, message)
+
+
+#: The attribute under which TorchRec's ``ManagedCollisionCollection`` (and its sharded form)
+#: keeps one managed-collision module per table (torchrec 1.6.1 through 1.9).
+_MC_MODULES = "_managed_collision_modules"
+
+
+def managed_collision_table(key: str) -> str | None:
+    """The table whose managed-collision module holds a state-dict entry, or None.
+
+    TorchRec names a managed-collision module's buffers
+    ``...{_managed_collision_modules}.{table}.{buffer}`` in a ``state_dict`` (sharded or not).
+
+    Args:
+        key: a dotted state-dict key.
+
+    Returns:
+        The table's name, or None for an entry of no managed-collision module.
+    """
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-2]):
+        if part == _MC_MODULES:
+            return parts[i + 1]
+    return None
