@@ -213,14 +213,27 @@ def ranks_where(flag: bool, device: torch.device | None = None, group: Any = Non
 def _ranks_per_slot(
     flags: list[bool], device: torch.device | None, group: Any = None
 ) -> list[list[int]]:
+    return _launch_votes(flags, device, group, later=False)()
+
+
+def _launch_votes(
+    flags: list[bool], device: torch.device | None, group: Any = None, later: bool = True
+) -> Callable[[], list[list[int]]]:
+    """Runs the votes' ``all_reduce`` (``later``: started only); returns what reads them."""
     if not is_distributed():
-        return [[0] if f else [] for f in flags]
+        return lambda: [[0] if f else [] for f in flags]
     world, rank = dist.get_world_size(), dist.get_rank()
     device = _vote_place(group, device)
     votes = torch.zeros(len(flags), world, dtype=torch.int32, device=device)
     votes[:, rank] = torch.tensor([int(f) for f in flags], dtype=torch.int32)
-    dist.all_reduce(votes, group=group)
-    return [[r for r, v in enumerate(row) if v] for row in votes.tolist()]
+    work = dist.all_reduce(votes, group=group, async_op=later)
+
+    def read() -> list[list[int]]:
+        if later:
+            work.wait()
+        return [[r for r, v in enumerate(row) if v] for row in votes.tolist()]
+
+    return read
 
 
 def _rebuild(kind: type[BaseException], text: str) -> BaseException:
@@ -261,17 +274,58 @@ def agree(
     Raises:
         BaseException: the agreed error, on every rank, when any rank failed in some slot.
     """
+    return launch_agree(*errors, flags=flags, device=device, group=group, later=False)()
+
+
+def launch_agree(
+    *errors: BaseException | None,
+    flags: Sequence[bool] = (),
+    device: torch.device | None = None,
+    group: Any = None,
+    later: bool = True,
+) -> Callable[[], list[list[int]]]:
+    """:func:`agree`, started now and decided later: the vote runs while this rank works on.
+
+    The returned function waits for the vote and does what :func:`agree` does with it (raises
+    the agreed error, or returns the flags). Every rank must call it at the same point of its
+    program, and before any other collective on ``group``: what runs in between must not
+    depend on the outcome.
+
+    Args:
+        *errors: this rank's verdict per slot (see :func:`agree`).
+        flags: further votes to count in the same collective.
+        device: where the votes live.
+        group: the process group to vote on.
+        later: False runs the collective now (the returned function then only reads it).
+
+    Returns:
+        A function that decides the vote: it returns each flag's ranks, or raises.
+    """
     if not is_distributed():
-        for error in errors:
-            if error is not None:
-                raise error
-        return [[0] if f else [] for f in flags]
-    votes = _ranks_per_slot([e is not None for e in errors] + list(flags), device, group)
-    failing, flagged = votes[: len(errors)], votes[len(errors) :]
-    slot = next((i for i, ranks in enumerate(failing) if ranks), None)
-    if slot is None:
-        return flagged
-    mine = errors[slot]
+
+        def decide_alone() -> list[list[int]]:
+            for error in errors:
+                if error is not None:
+                    raise error
+            return [[0] if f else [] for f in flags]
+
+        return decide_alone
+    read = _launch_votes([e is not None for e in errors] + list(flags), device, group, later)
+
+    def decide() -> list[list[int]]:
+        votes = read()
+        failing, flagged = votes[: len(errors)], votes[len(errors) :]
+        slot = next((i for i, ranks in enumerate(failing) if ranks), None)
+        if slot is None:
+            return flagged
+        _raise_agreed(errors[slot], group)
+        return flagged  # not reached
+
+    return decide
+
+
+def _raise_agreed(mine: BaseException | None, group: Any) -> None:
+    """Raises the slot's agreed error (after gathering the failing ranks' messages)."""
     report = None if mine is None else (type(mine), str(mine))
     reports: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(reports, report, group=group)

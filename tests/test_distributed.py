@@ -23,12 +23,13 @@ from lightning_torchrec.distributed import (
     collective_device,
     init_elastic_group,
     is_distributed,
+    launch_agree,
     rank_and_world_size,
     ranks_where,
     shutdown,
     shutdown_at_exit,
 )
-from lightning_torchrec.errors import RankFailureError
+from lightning_torchrec.errors import BatchValidationError, RankFailureError
 from tests.helpers import one_rank_group  # noqa: F401 - a fixture
 
 # ---------------------------------------------------------------- no process group
@@ -102,7 +103,7 @@ class FakeWorld:
         self.peer_votes: list[bool] = []
         self.peer_report: tuple[type[BaseException], str] | None = None
         self.from_rank0: Any = None
-        self.all_reduces = self.gathers = 0
+        self.all_reduces = self.gathers = self.started = self.waited = 0
         monkeypatch.setattr(dist, "is_initialized", lambda: True)
         monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
         monkeypatch.setattr(dist, "get_rank", lambda group=None: self.rank)
@@ -111,10 +112,23 @@ class FakeWorld:
         monkeypatch.setattr(dist, "all_gather_object", self.all_gather_object)
         monkeypatch.setattr(dist, "broadcast_object_list", self.broadcast_object_list)
 
-    def all_reduce(self, votes: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    def all_reduce(self, votes: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         self.all_reduces += 1
         assert votes.shape == (len(self.peer_votes), 2) and votes.dtype == torch.int32
-        votes[:, self.peer] += torch.tensor(self.peer_votes, dtype=torch.int32)
+        peer = torch.tensor(self.peer_votes, dtype=torch.int32)
+        if not kwargs.get("async_op"):
+            votes[:, self.peer] += peer
+            return None
+        self.started += 1
+        world = self
+
+        class Work:  # the peer's votes arrive when waited for
+            def wait(self) -> bool:
+                world.waited += 1
+                votes[:, world.peer] += peer
+                return True
+
+        return Work()
 
     def all_gather_object(self, out: list, obj: Any, *args: Any, **kwargs: Any) -> None:
         self.gathers += 1
@@ -294,3 +308,19 @@ def test_a_group_made_in_the_attempts_store_is_destroyed_at_exit_once(
     finally:
         shutdown()
     assert not dist.is_initialized()
+
+
+def test_a_vote_started_ahead_is_decided_later_with_the_same_outcome(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    world = FakeWorld(monkeypatch)
+    world.peer_votes = [True, False, True]  # the peer's batch is bad; it flags "last"
+    world.peer_report = (BatchValidationError, "rank 1, step 4: id 9 >= 8")
+    decide = launch_agree(None, flags=[False, False])
+    assert (world.started, world.waited, world.gathers) == (1, 0, 0)  # nothing waited for yet
+    with pytest.raises(BatchValidationError, match="another rank failed: rank 1: rank 1, step 4"):
+        decide()
+    assert (world.all_reduces, world.waited, world.gathers) == (1, 1, 1)
+    world.peer_votes = [False, False, True]
+    assert launch_agree(None, flags=[True, False])() == [[0], [1]]
+    assert (world.started, world.gathers) == (2, 1)  # still one collective per vote

@@ -10,10 +10,11 @@ from torchrec.distributed.types import ShardingPlan
 
 from lightning_torchrec import DLRMClickModule, TorchRecStrategy
 from lightning_torchrec.distributed import peer_failure
-from lightning_torchrec.errors import NonFiniteLossError
+from lightning_torchrec.errors import NonFiniteLossError, UnevenDataError
 from lightning_torchrec.lightning.preemption import PreemptionCheckpoint
 from lightning_torchrec.training.step_guard import StepGuard, nonfinite_tensors
 from tests.scripts.factory import cpu_trainer, tiny_data, tiny_dlrm
+from tests.test_distributed import FakeWorld
 
 
 def test_nonfinite_loss_is_judged_at_the_next_check_naming_the_step() -> None:
@@ -88,3 +89,33 @@ def test_a_collective_failing_in_the_backward_is_explained() -> None:
     trainer = cpu_trainer("torchrec", max_steps=1, limit_val_batches=0)
     with pytest.raises(PeerFailureError, match="another rank probably died.*Connection closed"):
         trainer.fit(model, datamodule=data)
+
+
+def test_the_vote_ahead_runs_during_the_step_and_is_decided_before_any_other_vote(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    world = FakeWorld(monkeypatch)
+    guard = StepGuard("raise")
+    guard.carries_stop = True
+    # slots: the next batch, this step's loss; flags: no batch after this one, stop
+    world.peer_votes = [False, False, False, True]
+    guard.record_loss(torch.tensor(0.5), 3)
+    guard.vote_ahead(None, batch_idx=3, last=False)
+    assert (world.started, world.waited) == (1, 0)
+    assert guard.decide_ahead() == [1]  # the peer asked to stop
+    assert guard.decide_ahead() is None  # decided once
+    # A NaN loss of this step stops every rank when the vote is decided.
+    world.peer_votes = [False, False, False, False]
+    guard.record_loss(torch.tensor(float("nan")), 4)
+    guard.vote_ahead(None, batch_idx=4, last=False)
+    with pytest.raises(NonFiniteLossError, match="global step 4"):
+        guard.decide_ahead()
+    # Only this rank has no batch after this one: the same named error, naming the batch.
+    guard.vote_ahead(None, batch_idx=5, last=True)
+    with pytest.raises(UnevenDataError, match=r"rank\(s\) \[0\] have 6"):
+        guard.decide_ahead()
+    # Any other vote (here the next step's own) decides a running one first, in order.
+    world.peer_votes = [False, False, False, True]
+    guard.vote_ahead(None, batch_idx=6, last=False)
+    assert guard.check(None, batch_checked=True) == [1]
+    assert world.waited == 4

@@ -56,10 +56,16 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_step_without_a_broadca
 ) -> None:
     r0, r1 = load_ranks(phases, "sigterm_flag")
     # Lightning's own handling would broadcast rank 0's flag every step (missing rank 1's) and
-    # stop rank 1 alone after its step; the flag rides in the strategy's step vote instead.
+    # stop rank 1 alone after its step; the flag rides in the strategy's step vote instead,
+    # which runs during step 3 (where rank 1 got the flag) and stops both ranks after it.
     assert r0["error"] == r1["error"] == "SIGTERMException"
-    assert r0["global_step"] == r1["global_step"] == 3  # step 3 never ran, on either rank
+    assert r0["global_step"] == r1["global_step"] == 4  # step 3 ran on both, step 4 on neither
     assert r0["broadcasts"] == r1["broadcasts"] == 0
+    # One vote per step, started during it: step 0's batch was voted on before its forward (no
+    # step before it), every later batch during the step before it. The other vote that waits
+    # is the sharding plan's, at setup.
+    assert r0["votes_ahead"] == r1["votes_ahead"] == 4
+    assert r0["votes_now"] == r1["votes_now"] == 2
 
 
 def test_nan_weights_are_never_saved_and_the_previous_checkpoint_survives(phases: Path) -> None:

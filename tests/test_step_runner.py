@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import gc
 import logging
+import weakref
 
 import pytest
 import torch
 
 from lightning_torchrec import TorchRecStrategy
+from lightning_torchrec.training.pipeline_feed import Peek, Split
 from lightning_torchrec.training.pipelines import (
     SEMI_SYNC_START_BATCH,
     PipelineConfig,
@@ -47,3 +50,50 @@ def test_the_default_strategy_trains_unpipelined_on_cpu_with_a_complete_runner()
     assert runner.guard.specs and runner.guard.token  # built complete at setup
     strategy.validate_batches = 5
     assert runner.guard.validate_batches == 5  # the setting reaches the running guard
+
+
+class Item:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+
+def test_peek_reads_the_next_batch_and_holds_nothing_the_consumer_has_passed() -> None:
+    refs: list[weakref.ref] = []
+
+    def items():  # a loader's iterator: it keeps nothing it has given out
+        for n in range(6):
+            item = Item(n)
+            refs.append(weakref.ref(item))
+            yield item
+            del item
+
+    consumer, reader = Split(items()).sides()
+    peek = Peek(reader)
+    seen = []
+    for batch_idx, batch in enumerate(consumer):
+        if batch_idx == 2:
+            continue  # a step that did not peek: the next call catches up
+        found, upcoming = peek.after(batch_idx)
+        seen.append((found, upcoming.n if found else None))
+        assert found == (batch_idx < 5) and (not found or upcoming.n == batch.n + 1)
+        del batch, upcoming
+        gc.collect()
+        assert [r() is None for r in refs[:batch_idx]] == [True] * batch_idx
+    assert seen == [(True, 1), (True, 2), (True, 4), (True, 5), (False, None)]
+
+
+def test_split_gives_each_side_every_item_once_in_order() -> None:
+    left, right = Split(iter(range(5))).sides()
+    assert [next(right), next(right), next(right)] == [0, 1, 2]  # one side reads ahead
+    assert list(left) == [0, 1, 2, 3, 4]
+    assert list(right) == [3, 4]
+    assert list(left) == list(right) == []  # ended for both
+
+
+def test_peek_counts_from_the_first_batch_it_is_asked_about() -> None:
+    consumer, reader = Split(iter("abc")).sides()
+    peek = Peek(reader)
+    assert next(consumer) == "a"
+    assert peek.after(7) == (True, "b")  # a resumed epoch: its first batch has index 7
+    assert peek.after(8) == (True, "c")
+    assert peek.after(9) == (False, None)

@@ -32,13 +32,12 @@ from lightning_torchrec.compat.lightning import (
     layer_sync,
     model_kept_in_place,
     process_group_backend,
-    take_over_sigterm_broadcast,
 )
 from lightning_torchrec.distributed import init_elastic_group, shutdown_at_exit
 from lightning_torchrec.lightning.checkpoint_hooks import ShardedCheckpointing
 from lightning_torchrec.lightning.data_hooks import DataHooks
 from lightning_torchrec.lightning.preemption import add_slurm_requeue
-from lightning_torchrec.lightning.step_hooks import StepHooks
+from lightning_torchrec.lightning.step_hooks import StepHooks, take_over_step_votes
 from lightning_torchrec.lightning.trainer_setup import (
     check_fused_precision,
     check_fused_training,
@@ -338,13 +337,12 @@ class TorchRecStrategy(
             timeout=self._timeouts(),
             group=self._host_group,
             batch_checks=self.batch_checks,
+            vote_ahead=fitting and self.world_size > 1,
         )
         if fitting:
             self._runner.start_fit()
             if self.world_size > 1 and self._undo_sigterm is None:
-                # Lightning's SIGTERM broadcast (a GPU sync per step) rides in the step's vote.
-                self._runner.guard.carries_stop = True
-                self._undo_sigterm = take_over_sigterm_broadcast(trainer)
+                self._undo_sigterm = take_over_step_votes(trainer, self._runner)
         return sharded.dmp
 
     def _timeouts(self) -> str:

@@ -5,15 +5,75 @@ input all-to-all (and, semi-sync, their embedding lookup) steps early. A batch m
 and its verdict agreed by every rank *before* that happens, not at its own step: a malformed
 batch on one rank can break a collective the others are already in. :class:`Lookahead` lets the
 strategy read those batches first: at each step it returns the batches the coming ``progress()``
-will send, so the step's one vote covers them.
+will send, so the step's one vote covers them. :class:`Peek` reads one batch ahead for the
+unpipelined step, whose vote on the next batch runs during the current step.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
+
+
+class Split:
+    """One iterator read from two sides, each side getting every item once, in order.
+
+    Unlike ``itertools.tee``, which frees its items in blocks of 57, an item is held only until
+    both sides have taken it: a side reading ahead holds one batch or two, not a block of them.
+
+    Args:
+        source: the iterator to share.
+    """
+
+    def __init__(self, source: Iterator[Any]) -> None:
+        self._source = source
+        self._waiting: tuple[deque[Any], deque[Any]] = (deque(), deque())
+        self._ended = False
+
+    def sides(self) -> tuple[Iterator[Any], Iterator[Any]]:
+        """The two sides.
+
+        Returns:
+            Two iterators over the source's items.
+        """
+        return _Side(self, 0), _Side(self, 1)
+
+    def take(self, side: int) -> Any:
+        """The next item of ``side``.
+
+        Args:
+            side: 0 or 1.
+
+        Returns:
+            The item.
+
+        Raises:
+            StopIteration: after the source's last item.
+        """
+        mine = self._waiting[side]
+        if mine:
+            return mine.popleft()
+        if self._ended:
+            raise StopIteration
+        try:
+            item = next(self._source)
+        except StopIteration:
+            self._ended = True
+            raise
+        self._waiting[1 - side].append(item)
+        return item
+
+
+class _Side:
+    def __init__(self, split: Split, side: int) -> None:
+        self._split, self._side = split, side
+
+    def __iter__(self) -> _Side:
+        return self
+
+    def __next__(self) -> Any:
+        return self._split.take(self._side)
 
 
 class Lookahead:
@@ -71,6 +131,43 @@ class Lookahead:
         return [(self._first_index + position, batch) for position, batch in found]
 
 
+class Peek:
+    """An epoch's batches read one step ahead of their consumer, and kept by it alone.
+
+    Args:
+        batches: the reader's side of the epoch's batches (the consumer has the other side).
+    """
+
+    def __init__(self, batches: Iterator[Any]) -> None:
+        self._batches = batches
+        self._first: int | None = None
+        self._read = 0
+        self._last: Any = None
+        self._ended = False
+
+    def after(self, batch_idx: int) -> tuple[bool, Any]:
+        """Reads up to the batch after ``batch_idx`` (the current one).
+
+        Call at each step: batches passed over are dropped here, so none is held twice.
+
+        Args:
+            batch_idx: Lightning's index of the current batch in the epoch.
+
+        Returns:
+            ``(True, batch)`` with the next batch, or ``(False, None)`` at the epoch's end.
+        """
+        if self._first is None:
+            self._first = batch_idx
+        wanted = batch_idx - self._first + 1
+        while not self._ended and self._read <= wanted:
+            try:
+                self._last = next(self._batches)
+            except StopIteration:
+                self._ended, self._last = True, None
+            self._read += 1
+        return (False, None) if self._ended else (True, self._last)
+
+
 class PipelineFeed:
     """A dataloader whose batches a pipeline reads ahead of Lightning.
 
@@ -80,20 +177,23 @@ class PipelineFeed:
 
     Args:
         loader: the dataloader.
-        on_epoch: called with the pipeline's :class:`Lookahead` whenever a new epoch's iterator
-            is made.
-        active: whether the pipeline still runs.
+        on_epoch: called with the reader's side (``reader(batches)``) whenever a new epoch's
+            iterator is made.
+        active: whether the reader still reads.
+        reader: what reads ahead: :class:`Lookahead` (a pipeline) or :class:`Peek`.
     """
 
     def __init__(
         self,
         loader: Any,
-        on_epoch: Callable[[Lookahead], None],
+        on_epoch: Callable[[Any], None],
         active: Callable[[], bool] = lambda: True,
+        reader: Callable[[Iterator[Any]], Any] = Lookahead,
     ) -> None:
         self.loader = loader
         self.on_epoch = on_epoch
         self.active = active
+        self.reader = reader
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -104,6 +204,6 @@ class PipelineFeed:
     def __iter__(self) -> Iterator[Any]:
         if not self.active():
             return iter(self.loader)
-        lightning_side, pipeline_side = itertools.tee(iter(self.loader), 2)
-        self.on_epoch(Lookahead(pipeline_side))
+        lightning_side, reader_side = Split(iter(self.loader)).sides()
+        self.on_epoch(self.reader(reader_side))
         return lightning_side

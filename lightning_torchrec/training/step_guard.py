@@ -1,30 +1,28 @@
-"""Training faults: non-finite losses and weights, and collectives that failed because a peer died.
+"""A training step's checks, decided in one collective on every rank.
 
-Every decision is collective (:func:`lightning_torchrec.distributed.agree`): a rank that finds a
-problem tells the others before anyone enters a collective the failing rank would skip, so all
-ranks raise together instead of waiting for the collective timeout.
+Bad batches, non-finite losses, uneven data and stop requests raise the same named error on
+every rank (:func:`lightning_torchrec.distributed.agree`).
 
 * :class:`StepGuard` (used by ``TorchRecStrategy``): one ``all_reduce`` per training step carries
-  this step's batch-validation verdict and the previous step's loss verdict; a NaN/inf loss on
-  any rank raises :class:`~lightning_torchrec.errors.NonFiniteLossError` on every rank at the next
-  step, naming the step and the ranks. (Skipping the step instead is not offered: Lightning
-  refuses a ``None`` loss in distributed training, and a zero loss would still move
-  momentum-based optimizers.)
+  the batch verdict and the previous step's loss verdict; a NaN/inf loss on any rank raises
+  :class:`~lightning_torchrec.errors.NonFiniteLossError` on every rank at the next vote, naming
+  the step and the ranks. (Skipping the step instead is not offered: Lightning refuses a
+  ``None`` loss in distributed training, and a zero loss would still move momentum-based
+  optimizers.) The vote may run ahead (:meth:`StepGuard.vote_ahead`): started during a step and
+  decided after it, it covers the next step's batch while the backward runs.
 * :func:`nonfinite_tensors` finds NaN/inf values in a (sharded) state dict; checkpoints refuse
   them (``lightning_torchrec.checkpoint``).
-* :func:`peer_failure` turns a collective that failed because a peer died (gloo: "Connection
-  closed by peer") or timed out into a :class:`~lightning_torchrec.errors.PeerFailureError`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from lightning_torchrec.compat.upstream import ShardedTensor
-from lightning_torchrec.distributed import agree, rank_and_world_size
+from lightning_torchrec.distributed import agree, launch_agree, rank_and_world_size
 from lightning_torchrec.errors import (
     BatchValidationError,
     NonFiniteLossError,
@@ -42,11 +40,8 @@ from lightning_torchrec.training.worker_checks import (
 
 
 def _loss_of(output: Any) -> torch.Tensor | None:
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
-        return output["loss"]
-    return None
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    return loss if isinstance(loss, torch.Tensor) else None
 
 
 class StepGuard:
@@ -99,6 +94,7 @@ class StepGuard:
         self._pending: tuple[int, torch.Tensor] | None = None
         self._host_loss: torch.Tensor | None = None
         self._copied: Any = None
+        self._ahead: tuple[Callable[[], list[list[int]]], int] | None = None
 
     def _checks(self, index: int) -> bool:
         return self.validate_batches is True or index < self.validate_batches
@@ -108,6 +104,18 @@ class StepGuard:
         if problem is UNCHECKED:
             return check_batch(batch, self.specs, self.dense_width, where)
         return None if problem is None else BatchValidationError(f"{where}: {problem}")
+
+    def verdict_of(self, batch: Any, step: int) -> Exception | None:
+        """This rank's verdict on the batch of global step ``step`` (None: fine or unchecked).
+
+        Args:
+            batch: the host batch.
+            step: its global step.
+
+        Returns:
+            The validation error, or None.
+        """
+        return self._verdict(batch, f"step {step}") if self._checks(step) else None
 
     def _verdict(
         self, batch: Any, where: str, ahead: list[tuple[int, Any]] | None = None
@@ -168,9 +176,7 @@ class StepGuard:
         return self.check(earlier or verdict, voting, last, batch_idx, stop and self.carries_stop)
 
     def _worker_problem(self, batch: Any) -> Any:
-        if self.token is None:
-            return UNCHECKED
-        attributes = getattr(batch, "__dict__", None)
+        attributes = getattr(batch, "__dict__", None) if self.token is not None else None
         entry = attributes.get(VERDICT_ATTRIBUTE) if isinstance(attributes, dict) else None
         return UNCHECKED if entry is None or entry[0] != self.token else entry[1]
 
@@ -222,6 +228,7 @@ class StepGuard:
             BatchValidationError: on every rank when any rank's batch is bad.
             UnevenDataError: on every rank when only some ranks are at their last batch.
         """
+        self.decide_ahead()  # a stop request it carries is made again at the next step
         if self._checks(batch_idx):
             verdict = self._verdict(batch, f"{stage} batch {batch_idx}", ahead)
             (ranks,) = agree(verdict, flags=[last], device=self.device, group=self.group)
@@ -292,9 +299,10 @@ class StepGuard:
             NonFiniteLossError: on every rank when any rank's previous loss was NaN/inf.
             UnevenDataError: on every rank when only some ranks are at their last batch.
         """
+        early = self.decide_ahead() or []
         pending, self._pending = self._pending, None
         if not batch_checked and pending is None:
-            return []
+            return early
         if pending is not None and self._copied is not None:
             self._copied.synchronize()  # the step's copy finished long ago; no stall
             self._copied = None
@@ -302,6 +310,48 @@ class StepGuard:
         last, stopping = agree(
             batch_error, error, flags=[last_batch, stop], device=self.device, group=self.group
         )
+        check_even(last, "training", batch_idx)
+        return early or stopping
+
+    def vote_ahead(
+        self, next_error: Exception | None, batch_idx: int, last: bool, stop: bool = False
+    ) -> None:
+        """Starts the next step's vote now, to be decided after this step (:meth:`decide_ahead`).
+
+        It carries what :meth:`check` would decide before the next forward (the next batch's
+        verdict, this step's loss, "no batch after this one", a stop request) and runs while
+        this step's backward and update do.
+
+        Args:
+            next_error: this rank's verdict on its next batch (None: fine, unchecked or none).
+            batch_idx: this step's batch index in the epoch.
+            last: whether this rank has no batch after this one in the epoch.
+            stop: whether this rank asks every rank to stop (when :attr:`carries_stop`).
+        """
+        self.decide_ahead()
+        pending, self._pending = self._pending, None
+        if pending is not None and self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+        flags = [last, stop and self.carries_stop]
+        error = _nonfinite_loss_error(pending)
+        decide = launch_agree(next_error, error, flags=flags, device=self.device, group=self.group)
+        self._ahead = (decide, batch_idx)
+
+    def decide_ahead(self) -> list[int] | None:
+        """Decides the vote :meth:`vote_ahead` started, if one is running. Collective.
+
+        Returns:
+            The ranks that asked to stop; None when no vote was running.
+
+        Raises:
+            BatchValidationError: or another error of :meth:`check`, on every rank.
+        """
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        decide, batch_idx = ahead
+        last, stopping = decide()
         check_even(last, "training", batch_idx)
         return stopping
 

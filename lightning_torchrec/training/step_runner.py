@@ -29,6 +29,7 @@ from torch import nn
 from lightning_torchrec.distributed import run_collective
 from lightning_torchrec.errors import StopRequested
 from lightning_torchrec.sharding.tables import FeatureSpec
+from lightning_torchrec.training.pipeline_feed import Peek, PipelineFeed
 from lightning_torchrec.training.pipelines import SemiSyncPipeline, SparseDistPipeline
 from lightning_torchrec.training.step_guard import StepGuard
 from lightning_torchrec.training.uneven_data import check_counts
@@ -59,6 +60,11 @@ class StepRunner:
             device, judged at the next step's vote; see
             :mod:`~lightning_torchrec.training.device_checks`), or ``"auto"``: ``"next_step"``
             on CUDA, ``"before_forward"`` on the CPU (where both read the same memory).
+        vote_ahead: for unpipelined steps whose batches are checked on the host: start each
+            step's vote on the next step (its batch read one step ahead) right after the forward
+            and decide it after the step (:meth:`after_step`, which the front end must then call
+            on every rank after every training step), so the vote runs while the backward does
+            instead of stopping the step.
     """
 
     def __init__(
@@ -77,6 +83,7 @@ class StepRunner:
         timeout: Any = None,
         group: Any = None,
         batch_checks: str = "auto",
+        vote_ahead: bool = False,
     ) -> None:
         if batch_checks not in BATCH_CHECKS:
             raise ValueError(f"batch_checks must be one of {BATCH_CHECKS}, got {batch_checks!r}")
@@ -98,6 +105,10 @@ class StepRunner:
         self.training: SparseDistPipeline | None = None
         self.evaluation: SparseDistPipeline | None = None
         self._host_batch: Any = None
+        #: Whether training steps vote ahead (see the ``vote_ahead`` argument).
+        self.vote_ahead = vote_ahead and pipeline is None and not deferred
+        self._peek: Peek | None = None
+        self._covered: int | None = None  # the batch whose checks a decided vote covered
 
     # ------------------------------------------------------------------ data
     def collective(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -135,12 +146,17 @@ class StepRunner:
         if self.guard.validate_batches is not False:
             guard = self.guard
             check_in_workers(loader, guard.specs, guard.dense_width, str(guard.token))
+        if training and self.vote_ahead:
+            return PipelineFeed(loader, self._new_epoch, lambda: self.vote_ahead, Peek)
         if self.pipeline is None:
             return loader
         if not training and self.evaluation is None:
             self.evaluation = SparseDistPipeline(self.model, self.device, self.asked)
         pipeline = self.stage(training)
         return loader if pipeline is None else pipeline.feed(loader)
+
+    def _new_epoch(self, peek: Peek) -> None:
+        self._peek, self._covered = peek, None
 
     def stage(self, training: bool) -> SparseDistPipeline | None:
         """The running stage's pipeline, if any.
@@ -203,11 +219,14 @@ class StepRunner:
         """
         host = self._checked(batch)
         pipeline = self.training
-        ahead = pipeline.ahead(batch_idx) if pipeline is not None else None
         guard = self.guard
-        stopping = self.collective(
-            guard.before_training_step, host, step, batch_idx, last, ahead, batch, stop
-        )
+        covered, self._covered = self._covered == batch_idx, None
+        stopping = self.collective(guard.decide_ahead) or []  # normally decided already
+        if not covered:  # no vote ahead decided this batch: vote now
+            ahead = pipeline.ahead(batch_idx) if pipeline is not None else None
+            stopping = self.collective(
+                guard.before_training_step, host, step, batch_idx, last, ahead, batch, stop
+            )
         if stopping:
             raise StopRequested(stopping)
         if pipeline is None:
@@ -216,8 +235,32 @@ class StepRunner:
             output, usable = self.collective(pipeline.run, run, lambda: run(move(host)))
             if not usable:
                 self.training = None
-        self.guard.record_loss(output, step)
+        guard.record_loss(output, step)
+        if self.vote_ahead and self._peek is not None:
+            self._vote_next(step, batch_idx, last, stop)
         return output
+
+    def _vote_next(self, step: int, batch_idx: int, last: bool, stop: bool) -> None:
+        assert self._peek is not None
+        found, upcoming = self._peek.after(batch_idx)
+        error = None
+        if found and not last:
+            error = self.guard.verdict_of(upcoming, step + 1)
+        self.collective(self.guard.vote_ahead, error, batch_idx, last or not found, stop)
+        self._covered = None if last or not found else batch_idx + 1
+
+    def after_step(self) -> None:
+        """Decides the vote a training step started (with ``vote_ahead``). Collective.
+
+        Call on every rank after every training step, before anything else runs a collective.
+
+        Raises:
+            StopRequested: on every rank when some rank asked to stop.
+        """
+        stopping = self.collective(self.guard.decide_ahead)
+        if stopping:
+            self._covered = None
+            raise StopRequested(stopping)
 
     def eval_step(
         self,
@@ -264,6 +307,7 @@ class StepRunner:
     # ------------------------------------------------------------------ stages
     def start_fit(self) -> None:
         """A new training pipeline for a new fit (none without a pipeline)."""
+        self._covered = None
         if self.pipeline == "semi_sync":
             self.training = SemiSyncPipeline(
                 self.model, self.device, self.start_batch, self.global_step, self.asked

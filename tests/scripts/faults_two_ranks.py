@@ -147,7 +147,16 @@ def run(
         broadcasts[0] += 1
         return broadcast(*args, **kwargs)
 
+    votes = {"ahead": 0, "now": 0}  # the strategy's votes: int32 all_reduces
+    all_reduce = torch.distributed.all_reduce
+
+    def counted_vote(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if tensor.dtype == torch.int32:
+            votes["ahead" if kwargs.get("async_op") else "now"] += 1
+        return all_reduce(tensor, *args, **kwargs)
+
     torch.distributed.broadcast = counted
+    torch.distributed.all_reduce = counted_vote
     try:
         if fault == "bad_id":
             data.setup("fit")
@@ -162,7 +171,9 @@ def run(
             raise
     finally:
         torch.distributed.broadcast = broadcast
+        torch.distributed.all_reduce = all_reduce
     result.update(steps=steps.steps, global_step=trainer.global_step, broadcasts=broadcasts[0])
+    result.update(votes_ahead=votes["ahead"], votes_now=votes["now"])
     torch.save(result, OUT / f"{phase}_rank{trainer.global_rank}.pt")
     return result
 
