@@ -114,8 +114,12 @@ def test_the_vote_ahead_runs_during_the_step_and_is_decided_before_any_other_vot
     guard.vote_ahead(None, batch_idx=5, last=True)
     with pytest.raises(UnevenDataError, match=r"rank\(s\) \[0\] have 6"):
         guard.decide_ahead()
-    # Any other vote (here the next step's own) decides a running one first, in order.
+    # A checkpoint's vote leaves it running; an evaluation step decides it first.
     world.peer_votes = [False, False, False, True]
     guard.vote_ahead(None, batch_idx=6, last=False)
-    assert guard.check(None, batch_checked=True) == [1]
-    assert world.waited == 4
+    world.peer_votes = [False]
+    guard.settle()
+    assert world.waited == 3
+    world.peer_votes = [False, False]
+    guard.before_eval_step(None, "validation", 0, last=False)
+    assert world.waited == 4 and guard.decide_ahead() is None

@@ -42,6 +42,12 @@ def test_bad_batch_on_rank1_stops_both_ranks_before_the_step(phases: Path) -> No
         assert "id 27" in msg and "num_embeddings=20" in msg
     assert "another rank failed" in r0["message"]
     assert r0["global_step"] == r1["global_step"] == 2  # step 2 never ran
+    # Found during step 1 (its vote ran ahead), decided after step 1's checkpoint was written:
+    # the last good state is saved (save_top_k=1 kept only it).
+    ckpts = sorted(p.name for p in (phases / "bad_id_ckpts").iterdir())
+    assert ckpts == ["epoch=0-step=2.ckpt"] and is_sharded_checkpoint(
+        phases / "bad_id_ckpts" / ckpts[0]
+    )
 
 
 def test_nan_loss_on_rank1_raises_on_both_ranks_naming_step_and_rank(phases: Path) -> None:

@@ -25,10 +25,11 @@ from lightning_torchrec.training.step_runner import StepRunner
 class StepVote(Callback):
     """Decides, after each training step, the vote on the next step that ran during it.
 
-    ``TorchRecStrategy`` puts it first among the Trainer's callbacks for a fit whose steps vote
+    ``TorchRecStrategy`` puts it last among the Trainer's callbacks for a fit whose steps vote
     ahead (:class:`~lightning_torchrec.training.step_runner.StepRunner`'s ``vote_ahead``), and
     takes it out at teardown: every rank decides the vote at the same point, after the step's
-    update and before any other callback's collective, and stops there together when it says so.
+    update and after the other callbacks (a checkpoint of this step is written even when the
+    next batch is bad), and stops there together when it says so.
 
     Args:
         runner: the strategy's step runner.
@@ -62,7 +63,7 @@ def take_over_step_votes(trainer: Any, runner: StepRunner) -> Any:
     undo_broadcast = take_over_sigterm_broadcast(trainer)
     vote = StepVote(runner) if runner.vote_ahead else None
     if vote is not None:
-        trainer.callbacks.insert(0, vote)
+        trainer.callbacks.append(vote)
 
     def undo() -> None:
         undo_broadcast()

@@ -299,10 +299,9 @@ class StepGuard:
             NonFiniteLossError: on every rank when any rank's previous loss was NaN/inf.
             UnevenDataError: on every rank when only some ranks are at their last batch.
         """
-        early = self.decide_ahead() or []
         pending, self._pending = self._pending, None
         if not batch_checked and pending is None:
-            return early
+            return []
         if pending is not None and self._copied is not None:
             self._copied.synchronize()  # the step's copy finished long ago; no stall
             self._copied = None
@@ -311,7 +310,7 @@ class StepGuard:
             batch_error, error, flags=[last_batch, stop], device=self.device, group=self.group
         )
         check_even(last, "training", batch_idx)
-        return early or stopping
+        return stopping
 
     def vote_ahead(
         self, next_error: Exception | None, batch_idx: int, last: bool, stop: bool = False
@@ -320,7 +319,8 @@ class StepGuard:
 
         It carries what :meth:`check` would decide before the next forward (the next batch's
         verdict, this step's loss, "no batch after this one", a stop request) and runs while
-        this step's backward and update do.
+        this step's backward and update do. Other votes may run meanwhile (gloo keeps their
+        order); a checkpoint of this step can be written before it is decided.
 
         Args:
             next_error: this rank's verdict on its next batch (None: fine, unchecked or none).
