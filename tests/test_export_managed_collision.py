@@ -38,11 +38,12 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_torchrec.checkpoint import save_sharded
 from lightning_torchrec.compat.upstream import mch_held_ids
+from lightning_torchrec.compat.upstream_warnings import UPSTREAM_LOG_RECORDS
 from lightning_torchrec.errors import IdOutOfRangeError
 from lightning_torchrec.export.artifact import DTYPES, export, load_artifact
 from lightning_torchrec.models.model_and_loss import ModelAndLoss
 from lightning_torchrec.training.mc_stats import mch_modules
-from tests.helpers import SCRIPTS, clean_env, load_ranks, run_script
+from tests.helpers import SCRIPTS, clean_env, load_ranks, run_script, warning_lines
 from tests.scripts.mc_model import DIM, EDGES, FEATURES, SPAN, ZCH, module, probe_batch
 
 #: Per dtype: bound on max |delta p| against the trained model (as tests/test_export_sequence.py).
@@ -100,6 +101,10 @@ def _serve(tmp: Path, artifacts: list[Path], bad: list[dict]) -> dict[str, Any]:
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert "modules: []" in proc.stdout, proc.stdout  # the training code was not imported
+    # Nothing but torch's one line when the first KJT is built (see tests/test_export.py).
+    upstream = [start for _, start, _ in UPSTREAM_LOG_RECORDS]
+    unexpected = [x for x in warning_lines(proc.stderr) if not any(s in x for s in upstream)]
+    assert unexpected == [], proc.stderr[-3000:]
     return torch.load(tmp / "preds.pt", weights_only=True)
 
 

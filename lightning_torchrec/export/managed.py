@@ -164,6 +164,16 @@ class RawIdRemap(nn.Module):
         self.register_buffer("rows", torch.cat([s[1] for s in states]))
         self.register_buffer("fallback", torch.cat([s[2] for s in states]))
 
+    def _remap(self, table: int, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of one table's raw ids."""
+        held = self.sorted_ids[self.starts[table] : self.starts[table + 1]]
+        rows = self.rows[self.starts[table] : self.starts[table + 1]]
+        start, end = self.fallback_starts[table], self.fallback_starts[table + 1]
+        fallback = self.fallback[start:end]
+        at = torch.searchsorted(held, ids)  # below the table's last entry (int64 max)
+        shard = torch.div(ids, self.widths[table], rounding_mode="floor").clamp(0, end - start - 1)
+        return torch.where(held[at] == ids, rows[at], fallback[shard])
+
     def forward(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """Remaps the raw ids of the managed features (others pass unchanged).
 
@@ -174,23 +184,17 @@ class RawIdRemap(nn.Module):
             The same keys and lengths, with rows for values.
         """
         keys = features.keys()
-        values = features.values()
         lengths = features.lengths()
-        table = torch.tensor([self.table_of.get(k, -1) for k in keys], dtype=torch.int64)
-        per_key = lengths.view(len(keys), -1).sum(1)
-        table_of_id = torch.repeat_interleave(table, per_key, output_size=values.shape[0])
-        out = values
-        for t in range(len(self.widths)):
-            ids = self.sorted_ids[self.starts[t] : self.starts[t + 1]]
-            rows = self.rows[self.starts[t] : self.starts[t + 1]]
-            fallback = self.fallback[self.fallback_starts[t] : self.fallback_starts[t + 1]]
-            at = torch.searchsorted(ids, values)
-            shard = torch.div(values, self.widths[t], rounding_mode="floor")
-            shard = shard.clamp(0, fallback.shape[0] - 1)
-            mapped = torch.where(ids[at] == values, rows[at], fallback[shard])
-            out = torch.where(table_of_id == t, mapped, out)
+        # Each feature's ids are searched in its own table only (ids are feature-major).
+        sizes: list[int] = lengths.view(len(keys), -1).sum(1).tolist()
+        parts = torch.split(features.values(), sizes)
+        out: list[torch.Tensor] = []
+        for i in range(len(keys)):
+            table = self.table_of.get(keys[i], -1)
+            out.append(parts[i] if table < 0 else self._remap(table, parts[i]))
+        values = torch.cat(out) if len(out) > 0 else features.values()
         return KeyedJaggedTensor(
-            keys=keys, values=out, lengths=lengths, weights=features.weights_or_none()
+            keys=keys, values=values, lengths=lengths, weights=features.weights_or_none()
         )
 
 
