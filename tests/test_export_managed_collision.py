@@ -7,7 +7,7 @@ checkpoint and records what the sharded model answers in eval mode for every raw
 ids it never saw and both ends of each rank's bucket. Every dtype is exported from that
 checkpoint in this process and served from a fresh process that cannot import the package.
 A ``ManagedCollisionEmbeddingBagCollection`` (which cannot be sharded on CPU ranks) is exported
-from a one-process checkpoint of an unsharded model. About 30 s.
+from a one-process checkpoint of an unsharded model. About 25 s.
 
 No ``from __future__ import annotations`` here: TorchScript (``torchrec.fx.symbolic_trace`` then
 ``torch.jit.script``) cannot resolve the string annotations of a traced ``forward``.

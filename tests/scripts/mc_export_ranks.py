@@ -3,8 +3,8 @@ sharded checkpoint; record what the trained, sharded model answers in eval mode 
 no eviction) for the export tests to compare the served artifact with.
 
 argv[1]: the output directory. Each rank writes ``trained_rank{r}.pt``: ``lookup`` (the
-embedding each probe id gets, ``mc_model.lookup``), ``logits`` for :func:`mc_model.probe_batch`,
-and this rank's row range of each table's shard with the raw ids its MCH module holds.
+embedding each probe id gets, ``mc_model.lookup``), ``logits`` for :func:`mc_model.probe_batch`
+and ``held``: the raw ids each table's MCH module admitted on this rank.
 """
 
 from __future__ import annotations
