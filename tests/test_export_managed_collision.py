@@ -41,6 +41,7 @@ from lightning_torchrec.compat.upstream import mch_held_ids
 from lightning_torchrec.compat.upstream_warnings import UPSTREAM_LOG_RECORDS
 from lightning_torchrec.errors import IdOutOfRangeError
 from lightning_torchrec.export.artifact import DTYPES, export, load_artifact
+from lightning_torchrec.export.managed import bucket_width, served_managed
 from lightning_torchrec.models.model_and_loss import ModelAndLoss
 from lightning_torchrec.training.mc_stats import mch_modules
 from tests.helpers import SCRIPTS, clean_env, load_ranks, run_script, warning_lines
@@ -298,3 +299,55 @@ def test_what_the_artifact_cannot_hold_is_refused_by_name(tmp_path: Path) -> Non
     save_sharded(tmp_path / "ckpt", nn.Linear(2, 2), [], {})
     with pytest.raises(TypeError, match="table 't': .*input_hash_func"):
         export(tmp_path / "ckpt", ModelAndLoss(mc_ec))
+
+
+@pytest.mark.parametrize(
+    ("input_size", "buckets", "shards"),
+    [(100, 2, 2), (101, 4, 2), (97, 6, 3), (10, 4, 4), (2**40, 2, 2), (2**63 - 1, 4, 2)],
+)
+def test_bucket_width_is_how_the_ranks_split_raw_ids(
+    input_size: int, buckets: int, shards: int
+) -> None:
+    """The served shard of an id is the rank TorchRec's row-wise input dist sends it to."""
+    ids = torch.tensor(
+        sorted({0, 1, input_size - 1, input_size - 2, *(input_size * k // 13 for k in range(13))})
+    )
+    block = -(-input_size // buckets)
+    lengths, *_ = torch.ops.fbgemm.block_bucketize_sparse_features(
+        torch.ones(len(ids), dtype=torch.int64),
+        ids,
+        bucketize_pos=False,
+        sequence=True,
+        block_sizes=torch.tensor([block]),
+        total_num_blocks=torch.tensor([buckets]),
+        my_size=shards,
+        weights=None,
+        keep_orig_idx=True,
+    )
+    rank = lengths.view(shards, -1).argmax(0)
+    width = bucket_width(input_size, buckets, shards)
+    assert torch.equal(torch.div(ids, width, rounding_mode="floor"), rank)
+
+
+def test_a_layout_the_buckets_do_not_split_is_refused() -> None:
+    config = EmbeddingConfig(name="t", embedding_dim=DIM, num_embeddings=16, feature_names=["f"])
+    mch = MCHManagedCollisionModule(
+        zch_size=16,
+        device=torch.device("cpu"),
+        eviction_policy=LFU_EvictionPolicy(),
+        eviction_interval=1,
+        output_segments=[0, 5, 10, 16],  # 3 row-wise shards
+        buckets=2,
+    )
+    mc_ec = ManagedCollisionEmbeddingCollection(
+        EmbeddingCollection([config], device=torch.device("cpu")),
+        ManagedCollisionCollection({"t": mch}, [config]),
+    )
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "table 't': its managed-collision state was sharded as rows [0, 5, 10, 16] with 2 "
+            "buckets"
+        ),
+    ):
+        served_managed(mc_ec, nn.Identity())

@@ -97,6 +97,24 @@ def managed_tables(module: nn.Module) -> list[ManagedTable]:
     return tables
 
 
+def bucket_width(input_size: int, buckets: int, shards: int) -> int:
+    """How many consecutive raw ids each row-wise shard gets: shard ``id // width``.
+
+    TorchRec's row-wise input dist (``RwSparseFeaturesDist``) cuts ``[0, input_size)`` into
+    ``buckets`` blocks of ``ceil(input_size / buckets)`` ids, ``buckets / shards`` consecutive
+    blocks per shard (fbgemm's ``block_bucketize_sparse_features``).
+
+    Args:
+        input_size: the raw-id range.
+        buckets: the MCH module's buckets (a multiple of ``shards``).
+        shards: the row-wise shards (ranks).
+
+    Returns:
+        The width, at most ``input_size`` (with one shard the product may pass ``int64`` max).
+    """
+    return min(-(-input_size // buckets) * (buckets // shards), input_size)
+
+
 def _served_state(
     table: ManagedTable, mc: nn.Module
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -117,8 +135,7 @@ def _served_state(
             f"with {table.buckets} buckets; the export needs non-empty row-wise shards covering "
             f"[0, {total}) and a bucket count divisible by their number"
         )
-    width = -(-table.input_size // table.buckets) * (table.buckets // shards)
-    width = min(width, table.input_size)  # one shard: may pass int64 max; all ids are below
+    width = bucket_width(table.input_size, table.buckets, shards)
     ids, rows, fallback = [], [], []
     for p in range(shards):
         start, end = segments[p], segments[p + 1]
