@@ -24,12 +24,6 @@ from torch import nn
 from torchrec.inference.modules import quantize_embeddings
 from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
-from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingCollection
-from torchrec.modules.mc_modules import (
-    LRU_EvictionPolicy,
-    ManagedCollisionCollection,
-    MCHManagedCollisionModule,
-)
 from torchrec.quant.embedding_modules import EmbeddingCollection as QuantEmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -244,18 +238,3 @@ def test_matches_torchrecs_own_quantization(checkpoint: Path, batch: Any) -> Non
         assert isinstance(theirs.ec, QuantEmbeddingCollection)  # through its from_float
         with torch.inference_mode():
             assert torch.equal(ours(*args), theirs(*args)), dtype
-
-
-def test_managed_collision_tables_are_refused_by_name(checkpoint: Path) -> None:
-    configs = [EmbeddingConfig(name="t", embedding_dim=DIM, num_embeddings=16, feature_names=["f"])]
-    ec = EmbeddingCollection(tables=configs, device=torch.device("cpu"))
-    mch = MCHManagedCollisionModule(
-        zch_size=16,
-        device=torch.device("cpu"),
-        eviction_policy=LRU_EvictionPolicy(),
-        eviction_interval=1,
-    )
-    mcc = ManagedCollisionCollection({"t": mch}, embedding_configs=configs)
-    module = ModelAndLoss(ManagedCollisionEmbeddingCollection(ec, mcc))
-    with pytest.raises(TypeError, match="ManagedCollisionEmbeddingCollection"):
-        export(checkpoint, module)

@@ -2,6 +2,7 @@
 
 ``upstream`` holds torch's, TorchRec's and fbgemm's; ``upstream_warnings`` the warnings only they
 can fix, each with its cause; ``lightning`` holds Lightning's, for the glue alone; ``pipelines``
-subclasses TorchRec's train pipelines where Lightning's loop takes over. Nothing else in the
-package touches a private name.
+subclasses TorchRec's train pipelines where Lightning's loop takes over; ``managed_collision``
+reads TorchRec's managed-collision internals for the export. Nothing else in the package touches
+a private name.
 """

@@ -43,6 +43,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from lightning_torchrec.checkpoint.outputs import USER_ERRORS, OwnedTemp, check_output, user_error
 from lightning_torchrec.checkpoint.signing import read_key_file
 from lightning_torchrec.compat.upstream import drop_unused_range_constraints
+from lightning_torchrec.export.managed import RawIdRemap
 from lightning_torchrec.export.modules import strip_table_buffers
 from lightning_torchrec.export.quantize import DTYPES, quantize_from_checkpoint
 from lightning_torchrec.export.validate import IdRangeCheck, ServedModel, input_contract
@@ -158,8 +159,10 @@ def trace(model: nn.Module, fmt: str, args: tuple[Any, ...] | None) -> Any:
             warnings.filterwarnings(
                 "ignore", "TorchScript will treat type annotations", UserWarning
             )
-            # The id check is scripted from its source (it formats the offending id).
-            traced = torchrec.fx.symbolic_trace(model, leaf_modules=[IdRangeCheck.__name__])
+            # The id check is scripted from its source (it formats the offending id), and so is
+            # the remap of raw ids (its loop over tables).
+            leaves = [IdRangeCheck.__name__, RawIdRemap.__name__]
+            traced = torchrec.fx.symbolic_trace(model, leaf_modules=leaves)
             return torch.jit.script(traced)
     if args is None:
         raise ValueError(
@@ -243,8 +246,9 @@ def export(
         CheckpointMismatchError: if the checkpoint holds another model, naming the tables.
         FileNotFoundError: if ``checkpoint_dir`` is not a sharded checkpoint directory.
         ImportError: for an unknown module path, naming it.
-        TypeError: for a module without EBC/EC tables, with managed-collision tables, or that
-            cannot be built from the checkpoint.
+        TypeError: for a module without EBC/EC tables, with a managed-collision table the
+            artifact cannot hold (see ``export.managed``), or that cannot be built from the
+            checkpoint.
     """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")

@@ -20,7 +20,6 @@ import torch
 from torch import nn
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig, DataType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
-from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
 from torchrec.quant.embedding_modules import (
     EmbeddingBagCollection as QuantEmbeddingBagCollection,
 )
@@ -48,23 +47,6 @@ EMBEDDING_MODULES = (EmbeddingBagCollection, EmbeddingCollection)
 
 #: The quantized modules that replace them (their tables are dropped before tracing).
 QUANTIZED_MODULES = (QuantEmbeddingBagCollection, QuantEmbeddingCollection)
-
-
-def refuse_unsupported(module: nn.Module) -> None:
-    """Refuses an embedding module the export cannot serve.
-
-    Args:
-        module: a submodule of the exported model.
-
-    Raises:
-        TypeError: for managed-collision modules (their remapping state is not exported),
-            naming the module's class.
-    """
-    if isinstance(module, BaseManagedCollisionEmbeddingCollection):
-        raise TypeError(
-            f"{type(module).__name__} (managed-collision tables) is not supported by the export: "
-            "the remapping of raw ids is not part of the artifact"
-        )
 
 
 def table_configs(module: nn.Module) -> list[BaseEmbeddingConfig]:

@@ -28,13 +28,18 @@ from lightning_torchrec.checkpoint import (
     plain_tensor_index,
 )
 from lightning_torchrec.errors import CheckpointMismatchError
+from lightning_torchrec.export.managed import (
+    MANAGED_MODULES,
+    managed_tables,
+    raw_id_bounds,
+    served_managed,
+)
 from lightning_torchrec.export.modules import (
     CPU_ROW_ALIGNMENT,
     DTYPES,
     EMBEDDING_MODULES,
     empty_quantized,
     id_check,
-    refuse_unsupported,
     rows_attribute,
     table_configs,
     table_rows,
@@ -206,10 +211,15 @@ def _module_paths(root: nn.Module) -> dict[int, str]:
     return {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
 
 
-def _set_submodule(root: nn.Module, path: str, value: nn.Module) -> None:
-    parent_path, _, attr = path.rpartition(".")
-    parent = root.get_submodule(parent_path) if parent_path else root
-    setattr(parent, attr, value)
+def _set_submodule(root: nn.Module, path: str, value: nn.Module, target: nn.Module) -> None:
+    # Also any reference the exported model holds to it: an inference_model() wrapper may hold
+    # the module directly rather than through the LightningModule's attribute.
+    old = root.get_submodule(path)
+    for owner in (root, target):
+        for _, parent in owner.named_modules(remove_duplicate=False):
+            for attr, child in list(parent.named_children()):
+                if child is old:
+                    setattr(parent, attr, value)
 
 
 def _check_checkpoint(
@@ -246,7 +256,8 @@ def quantize_from_checkpoint(
 
     Everything is checked before any tensor is read (keys, shapes, dtype and table widths).
     Tables stream from the checkpoint one at a time and are quantized into the quantized
-    module's buffers; dense tensors are loaded in fp32.
+    module's buffers; dense tensors are loaded in fp32. A managed-collision module's remapping
+    state is read into it, then it is replaced by its served form (``export.managed``).
 
     Args:
         checkpoint: a sharded checkpoint directory.
@@ -264,12 +275,14 @@ def quantize_from_checkpoint(
         one vector per id), ``weighted``, ``dense_width``.
 
     Raises:
-        ValueError: for an unknown dtype or table widths the dtype cannot pack.
+        ValueError: for an unknown dtype, table widths the dtype cannot pack, or
+            managed-collision state not in row-wise shards whose number divides the buckets.
         CheckpointMismatchError: if the checkpoint holds another model, naming the tables.
         FileNotFoundError: if ``checkpoint`` is not a sharded checkpoint directory.
         ImportError: for an unknown module path.
         TypeError: if the module holds no TorchRec ``EmbeddingBagCollection`` or
-            ``EmbeddingCollection``, or holds managed-collision tables (not supported yet).
+            ``EmbeddingCollection``, or a managed-collision table the artifact cannot hold (not
+            an ``MCHManagedCollisionModule``, or one with an ``input_hash_func``), naming it.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -279,14 +292,18 @@ def quantize_from_checkpoint(
     target = inference_model(root)
     paths = _module_paths(root)
     collections: dict[str, nn.Module] = {}
+    managed: dict[str, nn.Module] = {}  # managed-collision modules around some collections
     for _, sub in target.named_modules():
-        refuse_unsupported(sub)
-        if isinstance(sub, EMBEDDING_MODULES):
+        if isinstance(sub, EMBEDDING_MODULES + MANAGED_MODULES):
             if id(sub) not in paths:
                 raise TypeError(
                     f"the exported model's {type(sub).__name__} is not a submodule of the "
                     "module the checkpoint was saved from, so its checkpoint keys are unknown"
                 )
+        if isinstance(sub, MANAGED_MODULES):
+            managed_tables(sub)  # refuses what cannot be served, before anything is read
+            managed[paths[id(sub)]] = sub
+        elif isinstance(sub, EMBEDDING_MODULES):
             collections[paths[id(sub)]] = sub
     if not collections:
         raise TypeError(
@@ -301,13 +318,17 @@ def quantize_from_checkpoint(
 
     # Quantized modules first (one quantized buffer each), then stream the checkpoint.
     rows_of: dict[str, torch.Tensor] = {}
+    quantized_at: dict[str, nn.Module] = {}
     for path, module in collections.items():
-        quantized = empty_quantized(module, dtype)
+        quantized = quantized_at[path] = empty_quantized(module, dtype)
         prefix = f"{path}.{rows_attribute(module)}." if path else f"{rows_attribute(module)}."
         for name, rows in table_rows(quantized).items():
             rows_of[f"{prefix}{name}.weight"] = rows
-        # The float module (meta or not) is dropped here; the served model checks its ids first.
-        _set_submodule(root, path, CheckedEmbeddings(id_check(module), quantized))
+        # The float module (meta or not) is dropped here; the served model checks its ids first
+        # (a managed-collision one: its raw ids, in front of the remap; see below).
+        inside = any(path.startswith(f"{m}.") for m in managed)
+        served = quantized if inside else CheckedEmbeddings(id_check(module), quantized)
+        _set_submodule(root, path, served, target)
     table_prefixes = tuple(f"{p}." if p else "" for p in collections)
     tensors = iter_plain_tensors(checkpoint, verify=False, key=key)
     with torch.no_grad():
@@ -328,6 +349,12 @@ def quantize_from_checkpoint(
                 else:
                     current.copy_(tensor)
             del tensor
+    # The MCH modules now hold the checkpoint's remapping state (every shard's, by global row).
+    raw_ids: dict[str, int] = {}
+    for path, module in managed.items():
+        raw_ids.update(raw_id_bounds(module))
+        inner = next(p for p in quantized_at if p.startswith(f"{path}."))
+        _set_submodule(root, path, served_managed(module, quantized_at[inner]), target)
     left = meta_tensors(target)
     if left:
         raise CheckpointMismatchError(f"tensors of the model without values: {left}")
@@ -342,6 +369,7 @@ def quantize_from_checkpoint(
         "features": features,
         "feature_tables": [
             {"feature": f, "table": c.name, "rows": c.num_embeddings, "dim": c.embedding_dim}
+            | ({"raw_ids": raw_ids[f], "remapped": True} if f in raw_ids else {})
             for c in configs
             for f in c.feature_names
         ],

@@ -42,14 +42,22 @@ MARKER = "id out of range: "
 #: How a refusal of the lengths starts.
 LENGTHS_MARKER = "bad lengths: "
 
-_FEATURE = re.compile(r"feature '([^']*)' \(table '([^']*)', (\d+) rows\)")
+#: How a message counts a feature's valid ids: its table's rows, or (managed-collision
+#: tables) the raw-id range its ids are remapped from.
+ROWS, RAW_IDS = "rows", "raw ids"
+
+_FEATURE = re.compile(r"feature '([^']*)' \(table '([^']*)', (\d+) (rows|raw ids)\)")
 
 
-def _range_message(feature: str, table: str, rows: int, what: str) -> str:
+def _range_message(feature: str, table: str, rows: int, what: str, unit: str = ROWS) -> str:
     return (
-        f"{MARKER}feature '{feature}' (table '{table}', {rows} rows) got {what}; ids must be "
+        f"{MARKER}feature '{feature}' (table '{table}', {rows} {unit}) got {what}; ids must be "
         f"int64 in [0, {rows})"
     )
+
+
+def _outside(unit: str) -> str:
+    return "an id outside the raw-id range" if unit == RAW_IDS else "an id outside the table"
 
 
 def first_bad_id(
@@ -85,12 +93,15 @@ class IdRangeCheck(nn.Module):
 
     Args:
         tables: ``{feature: (table, rows)}`` of the embedding module behind the check.
+        raw_ids: the bounds are raw-id ranges (managed-collision tables), not row counts;
+            the messages say so.
     """
 
-    def __init__(self, tables: dict[str, tuple[str, int]]) -> None:
+    def __init__(self, tables: dict[str, tuple[str, int]], raw_ids: bool = False) -> None:
         super().__init__()
         self.table_of: dict[str, str] = {f: t for f, (t, _) in tables.items()}
         self.rows_of: dict[str, int] = {f: rows for f, (_, rows) in tables.items()}
+        self.unit = RAW_IDS if raw_ids else ROWS
         # Attributes: TorchScript reads no module-level constants.
         self.marker = MARKER
         self.lengths_marker = LENGTHS_MARKER
@@ -141,7 +152,8 @@ class IdRangeCheck(nn.Module):
         ok = torch.segment_reduce(bad, "sum", lengths=per_key, unsafe=True) == 0
         for key, fine in zip(keys, ok.unbind(0), strict=True):
             table, rows = self.table_of[key], self.rows_of[key]
-            assert_async(fine, _range_message(key, table, rows, "an id outside the table"))
+            message = _range_message(key, table, rows, _outside(self.unit), self.unit)
+            assert_async(fine, message)
 
     def _raise_formatted(
         self, keys: list[str], values: torch.Tensor, lengths: torch.Tensor, limits: torch.Tensor
@@ -167,7 +179,9 @@ class IdRangeCheck(nn.Module):
                 + self.table_of[name]
                 + "', "
                 + str(rows)
-                + " rows) got id "
+                + " "
+                + self.unit
+                + ") got id "
                 + str(value)
                 + " (sample "
                 + str(sample)
@@ -192,7 +206,11 @@ class IdRangeCheck(nn.Module):
             sample = bag % max(lengths.numel() // len(keys), 1)
             raise IdOutOfRangeError(
                 _range_message(
-                    name, self.table_of[name], self.rows_of[name], f"id {value} (sample {sample})"
+                    name,
+                    self.table_of[name],
+                    self.rows_of[name],
+                    f"id {value} (sample {sample})",
+                    self.unit,
                 )
             )
 
@@ -254,7 +272,7 @@ def named_error(
     found = _FEATURE.search(text) if MARKER in text else None
     if found is None:
         return None
-    feature, table, rows = found.group(1), found.group(2), int(found.group(3))
+    feature, table, rows, unit = found.group(1), found.group(2), int(found.group(3)), found.group(4)
     for kjt in _kjts([*args, *kwargs.values()]):
         if feature not in kjt.keys():
             continue
@@ -263,7 +281,7 @@ def named_error(
         _, sample, value = first_bad_id(ids, lengths, torch.tensor([rows]))
         if sample >= 0:
             what = f"id {value} (sample {sample})"
-            return IdOutOfRangeError(_range_message(feature, table, rows, what))
+            return IdOutOfRangeError(_range_message(feature, table, rows, what, unit))
     return IdOutOfRangeError(text[text.index(MARKER) :].splitlines()[0])
 
 
@@ -306,15 +324,22 @@ def input_contract(feature_tables: list[dict[str, Any]]) -> dict[str, Any]:
     """What an artifact accepts, for its JSON side file.
 
     Args:
-        feature_tables: ``{"feature", "table", "rows", "dim"}`` per feature, in KJT key order.
+        feature_tables: ``{"feature", "table", "rows", "dim"}`` per feature, in KJT key order
+            (managed-collision features also ``"raw_ids"`` and ``"remapped"``).
 
     Returns:
         The contract: the KJT's keys, the dtypes and ranges of its values and lengths, and what
         the artifact does with an input outside it.
     """
+    values = "int64; each id of feature f in [0, rows of f's table)"
+    if any(f.get("remapped") for f in feature_tables):
+        values += (
+            "; a managed-collision feature (remapped: true) takes raw ids in [0, raw_ids), "
+            "remapped to rows in the artifact"
+        )
     return {
         "keys": [f["feature"] for f in feature_tables],
-        "values": "int64; each id of feature f in [0, rows of f's table)",
+        "values": values,
         "lengths": "int32 >= 0; len(keys) * batch entries, feature-major, summing to the ids",
         "refuses": f"an id outside its table or bad lengths: RuntimeError starting {MARKER!r} "
         f"or {LENGTHS_MARKER!r} naming the feature, its table and row count (TorchScript: and "

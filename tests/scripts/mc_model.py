@@ -33,6 +33,8 @@ ROWS, ZCH, DIM, FEATURES = 200, 32, 4, 2  # 200 distinct ids per feature for 32 
 MULT, SPAN = 0x9E3779B97F4A7C15 % 2**40 | 1, 2**40
 #: Ids the data never holds (``raw(v)`` for ``v >= ROWS``), in both halves of the range.
 UNSEEN = 8
+#: Both ends of the raw-id range and of each rank's bucket (2 ranks: ``[0, SPAN / 2)``, ...).
+EDGES = (0, SPAN // 2 - 1, SPAN // 2, SPAN - 1)
 
 
 def raw(v: torch.Tensor) -> torch.Tensor:
@@ -107,8 +109,11 @@ class MCClick(nn.Module):
         for f in range(FEATURES):
             jt = out[f"cat_{f}"]
             lens = jt.lengths()
-            sample = torch.repeat_interleave(torch.arange(len(lens)), lens)
-            sums = torch.zeros(len(lens), DIM).index_add_(0, sample, jt.values())
+            size = lens.shape[0]  # not len(): torch.export would fix the batch size
+            sample = torch.repeat_interleave(  # output_size: torch.export needs it
+                torch.arange(size), lens, output_size=jt.values().shape[0]
+            )
+            sums = torch.zeros(size, DIM).index_add_(0, sample, jt.values())
             pooled.append(sums / lens.clamp_min(1).unsqueeze(1))
         return self.over(torch.cat([dense, *pooled], dim=1)).squeeze(1)
 
@@ -136,6 +141,20 @@ def strategy() -> TorchRecStrategy:
 def probe_ids() -> torch.Tensor:
     """Every raw id of the data, then :data:`UNSEEN` ids it never holds."""
     return raw(torch.arange(ROWS + UNSEEN))
+
+
+def probe_batch() -> tuple[torch.Tensor, KeyedJaggedTensor]:
+    """A request holding every probe id and :data:`EDGES` in each feature, 4 ids a sample."""
+    ids = torch.cat([probe_ids(), torch.tensor(EDGES)])
+    samples = len(ids) // 4
+    gen = torch.Generator().manual_seed(0)
+    values = torch.cat([ids, ids[torch.randperm(len(ids), generator=gen)]][:FEATURES])
+    kjt = KeyedJaggedTensor(
+        keys=[f"cat_{f}" for f in range(FEATURES)],
+        values=values,
+        lengths=torch.full((FEATURES * samples,), 4, dtype=torch.int32),
+    )
+    return torch.randn(samples, 13, generator=gen), kjt
 
 
 @torch.no_grad()
