@@ -7,6 +7,8 @@
 * ``trainer_defaults``: Lightning's defaults (progress bar, logger, checkpointing) and the
   strategy's (batch checks, loss guard, ``pipeline="auto"``);
 * ``trainer_parity``: the strategy's defaults, Lightning's extras off;
+* ``trainer_parity, vote before forward``: the same with ``vote_ahead=False`` (the step's vote
+  waited for before each forward, instead of running during the backward);
 * ``- checks``: ``validate_batches=False``, ``on_nonfinite_loss="ignore"`` (the strategy's
   per-step vote is then skipped);
 * ``- vote``: also without the per-step vote, which the strategy keeps when its checks are off
@@ -42,6 +44,7 @@ NO_CHECKS = {"validate_batches": False, "on_nonfinite_loss": "ignore"}
 VARIANTS = [
     "trainer_defaults",
     "trainer_parity",
+    "trainer_parity, vote before forward",
     "trainer_parity - checks",
     "trainer_parity - checks - vote",
     "trainer_parity - checks - vote - log",
@@ -73,6 +76,8 @@ def run_variant(variant: str, size: Any, data: Any, steps: int, warmup: int) -> 
     if variant == "raw_base":
         return raw_run(size, data, steps, False, setup, warmup).times[warmup:]
     extra = NO_CHECKS if "- checks" in variant else {}
+    if "vote before forward" in variant:
+        extra = {"vote_ahead": False}
     with contextlib.ExitStack() as stack:
         if "- vote" in variant:  # never True, and assignments ignored: no flag, no vote
             never = property(lambda self: False, lambda self, value: None)

@@ -66,18 +66,14 @@ class TorchRecStrategy(
     """Trains any LightningModule holding TorchRec embedding modules with sharded tables.
 
     One process per device (gloo on CPU, nccl on CUDA; Lightning's launcher, ``torchrun`` and
-    SLURM all work). At setup it plans with TorchRec's ``EmbeddingShardingPlanner`` on rank 0
-    (one plan for all ranks), wraps the LightningModule in ``DistributedModelParallel`` (tables
-    built on the meta device are materialised only as shards; DMP data-parallelises the dense
-    part), and combines the fused embedding optimizer with the dense optimizer from
-    ``configure_optimizers``. Checkpoints are sharded ``torch.distributed.checkpoint``
-    directories: every rank writes its own shards; a fit resumed from a mid-epoch checkpoint
-    continues any map-style training DataLoader at the first batch not trained on (the others
-    are skipped at its sampler, never loaded; see ``lightning_torchrec.lightning.mid_epoch``).
-    Sharding goes through :func:`lightning_torchrec.sharding.planning.shard_model`, the same
-    path as ``maybe_shard_model``. Under ``SLURMEnvironment(auto_requeue=True)`` it adds a
-    :class:`~lightning_torchrec.lightning.preemption.SLURMRequeue` to the callbacks, so the
-    requeue signal saves ``hpc_ckpt_{n}.ckpt`` between steps on every rank.
+    SLURM all work). At setup it plans on rank 0 (one plan for all ranks), wraps the
+    LightningModule in ``DistributedModelParallel`` (meta tables materialise only as shards) via
+    :func:`lightning_torchrec.sharding.planning.shard_model` (as ``maybe_shard_model`` does), and
+    combines the fused embedding optimizer with the dense one from ``configure_optimizers``.
+    Checkpoints are sharded ``torch.distributed.checkpoint`` directories; a fit resumed from a
+    mid-epoch checkpoint continues any map-style DataLoader at the first batch not trained on
+    (``lightning_torchrec.lightning.mid_epoch``). Under ``SLURMEnvironment(auto_requeue=True)``
+    a :class:`~lightning_torchrec.lightning.preemption.SLURMRequeue` saves between steps.
 
     Args:
         sharders: TorchRec sharders; defaults to TorchRec's with ``fused_params``.
@@ -103,9 +99,9 @@ class TorchRecStrategy(
         peer_timeout: how long a rank waits for the others at a step's vote (the one small
             collective of every step, on a gloo group of its own) before it raises
             ``PeerFailureError``: a rank that died or hangs stops the others within this time
-            instead of ``timeout``, so a launcher (torchrun's ``--max-restarts``) restarts the job
-            promptly. Longer than any rank's work between two steps (a slow first batch, a
-            callback on one rank). None: the votes run on the default group, under ``timeout``.
+            instead of ``timeout``, so torchrun's ``--max-restarts`` restarts the job promptly
+            (see ``vote_ahead``). Longer than any rank's work between two steps. None: the votes
+            run on the default group, under ``timeout``.
         start_method: ``"popen"`` (scripts), ``"spawn"`` or ``"fork"`` (notebooks).
         validate_batches: check each batch against the tables before the forward (ids in
             range, known keys, lengths, dtypes, finite dense features; see
@@ -115,10 +111,9 @@ class TorchRecStrategy(
             critical path); otherwise the step runs one vectorised pass over the ids. Either
             way the verdict rides in the step's one tiny ``all_reduce``.
         on_nonfinite_loss: ``"raise"``: a NaN/inf loss on any rank raises a
-            ``NonFiniteLossError`` naming the step and ranks on every rank, at the next step's
-            check (see ``lightning_torchrec.training.step_guard.StepGuard``; checkpoints refuse
-            non-finite values); ``"ignore"``. The verdict shares the batch check's one small
-            collective.
+            ``NonFiniteLossError`` naming the step and ranks on every rank, before the next
+            step (``lightning_torchrec.training.step_guard``; checkpoints refuse non-finite
+            values), in the batch check's collective; ``"ignore"``.
         check_finite_checkpoints: refuse to save a checkpoint holding NaN/inf weights or
             optimizer state.
         pipeline: ``"auto"`` (the default): ``"sparse_dist"`` on CUDA, where it is faster,
@@ -142,11 +137,16 @@ class TorchRecStrategy(
             a bad batch stops every rank one step later, with the same named error, its ids
             clamped to row 0 by fbgemm in between, and before any checkpoint is written (see
             ``lightning_torchrec.training.device_checks``).
-        pipeline_options: options of the chosen pipeline: ``{"start_batch": N}`` for
-            ``"semi_sync"`` (default 900, TorchRec's).
-        checkpoint_key: an HMAC-SHA256 key: checkpoints are saved with signed manifests and
-            only checkpoints signed with it load (see ``lightning_torchrec.checkpoint.signing``;
-            None: the ``LIGHTNING_TORCHREC_CHECKPOINT_KEY_FILE`` environment variable decides).
+        pipeline_options: ``{"start_batch": N}`` for ``"semi_sync"`` (default 900, TorchRec's).
+        vote_ahead: unpipelined training on more than one rank, batches checked on the host
+            (the CPU): each step's vote on the next step starts after the forward and is decided
+            after the step (its batch read one step early), so it runs during the backward.
+            False votes before each forward: only then does a peer that hangs between two steps
+            stop the others within ``peer_timeout`` (with the vote ahead they wait in the next
+            forward's all-to-all, for ``timeout``).
+        checkpoint_key: an HMAC-SHA256 key: checkpoints are saved with signed manifests and only
+            those signed with it load (``lightning_torchrec.checkpoint.signing``; None: the
+            ``LIGHTNING_TORCHREC_CHECKPOINT_KEY_FILE`` environment variable decides).
 
     Raises:
         ValueError: if both ``sharders`` and ``fused_params`` are given, ``plan`` with
@@ -183,6 +183,7 @@ class TorchRecStrategy(
         pipeline_options: dict[str, Any] | None = None,
         batch_checks: Literal["auto", "before_forward", "next_step"] = "auto",
         checkpoint_key: bytes | str | None = None,
+        vote_ahead: bool = True,
     ) -> None:
         if batch_checks not in BATCH_CHECKS:
             raise ValueError(f"batch_checks must be one of {BATCH_CHECKS}, got {batch_checks!r}")
@@ -208,6 +209,7 @@ class TorchRecStrategy(
         self.peer_timeout = peer_timeout
         self.check_finite_checkpoints = check_finite_checkpoints
         self.checkpoint_key = checkpoint_key
+        self.vote_ahead = vote_ahead
         self._validate_batches = validate_batches
         self._on_nonfinite_loss = on_nonfinite_loss
         self._runner: StepRunner | None = None
@@ -337,7 +339,7 @@ class TorchRecStrategy(
             timeout=self._timeouts(),
             group=self._host_group,
             batch_checks=self.batch_checks,
-            vote_ahead=fitting and self.world_size > 1,
+            vote_ahead=self.vote_ahead and fitting and self.world_size > 1,
         )
         if fitting:
             self._runner.start_fit()

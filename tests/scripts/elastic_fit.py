@@ -94,7 +94,9 @@ def main() -> None:
         dirpath=OUT / MODE, every_n_train_steps=EVERY, save_top_k=-1, save_last=True
     )
     trainer = cpu_trainer(
-        TorchRecStrategy(constraints=table_wise(2), peer_timeout=PEER_TIMEOUT),
+        # The vote before each forward: a peer hung between steps is then found at the vote,
+        # within peer_timeout (with the vote ahead, the others wait in the next forward).
+        TorchRecStrategy(constraints=table_wise(2), peer_timeout=PEER_TIMEOUT, vote_ahead=False),
         devices=2,
         max_epochs=EPOCHS,
         limit_val_batches=0,
