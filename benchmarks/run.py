@@ -34,6 +34,7 @@ BENCHMARKS = [
     "planner_scale",
     "pipeline_throughput",
     "lightning_step_cost",
+    "vote_ahead",
     "semi_sync_gap",
     "data_loading",
     "export_cost",
@@ -125,6 +126,30 @@ def step_cost_table(out: Path) -> list[str]:
             f"{v['extra_ms_per_step']:+.2f} ms |"
         )
     return [*lines, ""]
+
+
+def vote_ahead_table(out: Path) -> list[str]:
+    """The vote ahead against the vote before each forward (empty without its result file)."""
+    r = _load(out, "vote_ahead") or _load(out, "vote_ahead_tiny")
+    if not r:
+        return []
+    diff = r["ahead_minus_before_s"]
+    return [
+        "## The step's vote ahead against the vote before each forward (CPU, 2 gloo ranks)",
+        "",
+        f"{_size(r['size'])}; the Trainer at parity settings; {r['rounds']} rounds in ABBA "
+        "order (A B, B A, ...); step = median over rounds of each round's median (IQR over "
+        "rounds). `python -m benchmarks.vote_ahead`.",
+        "",
+        "| variant | step |",
+        "|---|---|",
+        f"| `vote_ahead=True` (the default) | {_ms(r['vote_ahead'])} |",
+        f"| `vote_ahead=False` | {_ms(r['vote_before_forward'])} |",
+        f"| ahead minus before, per round | {1e3 * diff['median']:+.2f} ms (IQR "
+        f"{1e3 * diff['iqr']:.2f}); ahead faster in {r['rounds_ahead_faster']} of "
+        f"{r['rounds']} rounds |",
+        "",
+    ]
 
 
 GPU_VARIANTS = [
@@ -241,6 +266,7 @@ def table(out: Path) -> str:
     ]
     lines += pipeline_table(out)
     lines += step_cost_table(out)
+    lines += vote_ahead_table(out)
     lines += semi_sync_table(out)
     lines += gpu_table(out)
     r = _load(out, "strategy_overhead")

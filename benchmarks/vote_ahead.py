@@ -37,7 +37,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--quick", action="store_true", help="tiny model, one round of each order")
     args = p.parse_args(argv)
+    if args.quick:
+        args.size, args.rounds, args.steps, args.warmup = "tiny", 2, 12, 2
     torch.set_num_threads(1)
     size = SIZES[args.size]()
     data = dataset(size, 2 * (args.steps + 4))

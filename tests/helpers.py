@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lightning_torchrec.compat.upstream_warnings import UPSTREAM_LOG_RECORDS
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 _DIST_VARS = (
@@ -54,6 +56,41 @@ def warning_lines(stderr: str) -> list[str]:
         The warning lines (empty when the process printed none).
     """
     return [line for line in stderr.splitlines() if _WARNING_LINE.search(line)]
+
+
+def serve_bare(tmp: Path, inputs: dict, artifacts: list[Path]) -> dict:
+    """Serves exported ``artifacts`` on ``inputs`` in a process that cannot import the package.
+
+    ``tests/scripts/export_serve.py`` runs in ``tmp``; the process must exit 0, import none of
+    the training code, unpickle nothing, and log no warning but torch's one line when the first
+    KeyedJaggedTensor is built (TorchRec's KJT asks ``is_fx_tracing()``;
+    ``compat.upstream_warnings.UPSTREAM_LOG_RECORDS``), which docs/export.md shows.
+
+    Args:
+        tmp: the working folder.
+        inputs: what the script reads (``bad``, ``keys``, ``batches``).
+        artifacts: the artifacts to serve.
+
+    Returns:
+        The script's predictions.
+    """
+    torch.save(inputs, tmp / "inputs.pt")
+    command = [sys.executable, str(SCRIPTS / "export_serve.py"), str(tmp / "inputs.pt")]
+    proc = subprocess.run(
+        [*command, str(tmp / "preds.pt"), *map(str, artifacts)],
+        cwd=tmp,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert "modules: []" in proc.stdout, proc.stdout  # not even Lightning was imported
+    assert "weights_only=False" not in proc.stderr, proc.stderr[-3000:]  # nothing unpickled
+    upstream = [start for _, start, _ in UPSTREAM_LOG_RECORDS]
+    unexpected = [x for x in warning_lines(proc.stderr) if not any(s in x for s in upstream)]
+    assert unexpected == [], proc.stderr[-3000:]
+    return torch.load(tmp / "preds.pt", weights_only=True)
 
 
 def run_script(

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 import weakref
 from pathlib import Path
 from typing import Any
@@ -24,7 +22,6 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import lightning_torchrec.export.quantize as quantize_module
 from lightning_torchrec.checkpoint import load_unsharded
-from lightning_torchrec.compat.upstream_warnings import UPSTREAM_LOG_RECORDS
 from lightning_torchrec.errors import CheckpointMismatchError, IdOutOfRangeError, ServedInputError
 from lightning_torchrec.export.artifact import (
     DTYPES,
@@ -34,7 +31,7 @@ from lightning_torchrec.export.artifact import (
     quantize_from_checkpoint,
 )
 from lightning_torchrec.lightning.dlrm import DLRMClickModule
-from tests.helpers import SCRIPTS, clean_env, run_script, warning_lines
+from tests.helpers import run_script, serve_bare
 from tests.scripts.export_ranks import save as save_checkpoint
 from tests.scripts.factory import tiny_data, tiny_dlrm
 
@@ -93,31 +90,7 @@ def _serve(
             for b in batches
         ],
     }
-    torch.save(inputs, tmp / "inputs.pt")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPTS / "export_serve.py"),
-            str(tmp / "inputs.pt"),
-            str(tmp / "preds.pt"),
-            *map(str, artifacts),
-        ],
-        cwd=tmp,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    assert "modules: []" in proc.stdout, proc.stdout  # not even Lightning was imported
-    assert "weights_only=False" not in proc.stderr, proc.stderr[-3000:]  # nothing unpickled
-    # No "Symbol u5 did not appear in the graph" per symbol the trace dropped. What is left is
-    # torch's one line when the first KeyedJaggedTensor is built (TorchRec's KJT asks
-    # is_fx_tracing(); compat.upstream_warnings.UPSTREAM_LOG_RECORDS), which docs/export.md shows.
-    upstream = [start for _, start, _ in UPSTREAM_LOG_RECORDS]
-    unexpected = [x for x in warning_lines(proc.stderr) if not any(s in x for s in upstream)]
-    assert unexpected == [], proc.stderr[-3000:]
-    return torch.load(tmp / "preds.pt", weights_only=True)
+    return serve_bare(tmp, inputs, artifacts)
 
 
 def test_every_dtype_served_without_the_training_code(

@@ -15,8 +15,6 @@ No ``from __future__ import annotations`` here: TorchScript (``torchrec.fx.symbo
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +36,12 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_torchrec.checkpoint import save_sharded
 from lightning_torchrec.compat.upstream import mch_held_ids
-from lightning_torchrec.compat.upstream_warnings import UPSTREAM_LOG_RECORDS
 from lightning_torchrec.errors import IdOutOfRangeError
 from lightning_torchrec.export.artifact import DTYPES, export, load_artifact
 from lightning_torchrec.export.managed import bucket_width, served_managed
 from lightning_torchrec.models.model_and_loss import ModelAndLoss
 from lightning_torchrec.training.mc_stats import mch_modules
-from tests.helpers import SCRIPTS, clean_env, load_ranks, run_script, warning_lines
+from tests.helpers import load_ranks, run_script, serve_bare
 from tests.scripts.mc_model import DIM, EDGES, FEATURES, SPAN, ZCH, module, probe_batch
 
 #: Per dtype: bound on max |delta p| against the trained model (as tests/test_export_sequence.py).
@@ -90,23 +87,7 @@ def _bad_requests() -> list[tuple[dict[str, torch.Tensor], tuple[str, int, int]]
 def _serve(tmp: Path, artifacts: list[Path], bad: list[dict]) -> dict[str, Any]:
     _, kjt = probe_batch()
     inputs = {"bad": bad, "keys": KEYS, "batches": [_request(kjt.values())]}
-    torch.save(inputs, tmp / "inputs.pt")
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPTS / "export_serve.py"), str(tmp / "inputs.pt")]
-        + [str(tmp / "preds.pt"), *map(str, artifacts)],
-        cwd=tmp,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    assert "modules: []" in proc.stdout, proc.stdout  # the training code was not imported
-    # Nothing but torch's one line when the first KJT is built (see tests/test_export.py).
-    upstream = [start for _, start, _ in UPSTREAM_LOG_RECORDS]
-    unexpected = [x for x in warning_lines(proc.stderr) if not any(s in x for s in upstream)]
-    assert unexpected == [], proc.stderr[-3000:]
-    return torch.load(tmp / "preds.pt", weights_only=True)
+    return serve_bare(tmp, inputs, artifacts)
 
 
 def _served_lookup(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -13,8 +13,6 @@ No ``from __future__ import annotations`` here: TorchScript (``torchrec.fx.symbo
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +27,6 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_torchrec import TorchRecModule, TorchRecStrategy
 from lightning_torchrec.checkpoint import load_unsharded
-from lightning_torchrec.compat.upstream_warnings import UPSTREAM_LOG_RECORDS
 from lightning_torchrec.errors import IdOutOfRangeError
 from lightning_torchrec.export.artifact import (
     DTYPES,
@@ -38,7 +35,7 @@ from lightning_torchrec.export.artifact import (
     quantize_from_checkpoint,
 )
 from lightning_torchrec.models.model_and_loss import ModelAndLoss
-from tests.helpers import SCRIPTS, clean_env, warning_lines
+from tests.helpers import serve_bare
 from tests.scripts.factory import cpu_trainer, table_wise, tiny_data
 
 ROWS, TABLES, DIM, DENSE = 100, 2, 8, 13
@@ -134,29 +131,7 @@ def _serve(tmp: Path, artifacts: list[Path], batch: Any, bad: list[dict]) -> dic
             {"dense": batch.dense_features, "values": kjt.values(), "lengths": kjt.lengths()}
         ],
     }
-    torch.save(inputs, tmp / "inputs.pt")
-    script = str(SCRIPTS / "export_serve.py")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            script,
-            str(tmp / "inputs.pt"),
-            str(tmp / "preds.pt"),
-            *map(str, artifacts),
-        ],
-        cwd=tmp,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    assert "modules: []" in proc.stdout, proc.stdout  # the training code was not imported
-    # Nothing but torch's one line when the first KJT is built (see tests/test_export.py).
-    upstream = [start for _, start, _ in UPSTREAM_LOG_RECORDS]
-    unexpected = [x for x in warning_lines(proc.stderr) if not any(s in x for s in upstream)]
-    assert unexpected == [], proc.stderr[-3000:]
-    return torch.load(tmp / "preds.pt", weights_only=True)
+    return serve_bare(tmp, inputs, artifacts)
 
 
 def test_every_dtype_served_and_refuses_ids_outside_the_tables(

@@ -252,7 +252,8 @@ class StepRunner:
     def after_step(self) -> None:
         """Decides the vote a training step started (with ``vote_ahead``). Collective.
 
-        Call on every rank after every training step, before anything else runs a collective.
+        Call on every rank at the same point after every training step (after its update;
+        other collectives may run before it, e.g. a checkpoint of this step).
 
         Raises:
             StopRequested: on every rank when some rank asked to stop.
