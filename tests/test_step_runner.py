@@ -8,14 +8,17 @@ import weakref
 
 import pytest
 import torch
+from torch import nn
 
-from lightning_torchrec import TorchRecStrategy
+from lightning_torchrec import DLRMClickModule, TorchRecStrategy
+from lightning_torchrec.lightning.step_hooks import votes_ahead
 from lightning_torchrec.training.pipeline_feed import Peek, Split
 from lightning_torchrec.training.pipelines import (
     SEMI_SYNC_START_BATCH,
     PipelineConfig,
     resolve_pipeline,
 )
+from lightning_torchrec.training.step_runner import StepRunner
 from tests.scripts.factory import cpu_trainer, table_wise, tiny_data, tiny_dlrm
 
 
@@ -97,3 +100,40 @@ def test_peek_counts_from_the_first_batch_it_is_asked_about() -> None:
     assert peek.after(7) == (True, "b")  # a resumed epoch: its first batch has index 7
     assert peek.after(8) == (True, "c")
     assert peek.after(9) == (False, None)
+
+
+def test_the_vote_runs_ahead_only_where_the_step_checks_the_loaders_own_batch() -> None:
+    class Fit:
+        def __init__(self, module: object, datamodule: object = None) -> None:
+            self.lightning_module, self.datamodule = module, datamodule
+
+    class Builds(DLRMClickModule):  # builds the batch the step gets: another object
+        def on_before_batch_transfer(self, batch: object, dataloader_idx: int) -> object:
+            return batch
+
+    plain = tiny_dlrm()
+    assert votes_ahead(True, 2, Fit(plain))
+    assert not votes_ahead(False, 2, Fit(plain)) and not votes_ahead(True, 1, Fit(plain))
+    assert not votes_ahead(True, 2, Fit(tiny_dlrm(cls=Builds)))
+
+
+def test_a_second_training_loader_puts_the_vote_back_before_the_forward() -> None:
+    def runner() -> StepRunner:
+        return StepRunner(
+            nn.Linear(1, 1),
+            torch.device("cpu"),
+            specs={},
+            dense_width=None,
+            validate_batches=False,
+            vote_ahead=True,
+        )
+
+    one = runner()
+    feed = one.feed([1, 2, 3], True)
+    assert list(feed) == [1, 2, 3] and one.vote_ahead
+    one._stepped = True  # a step ran: the next iterator is the next epoch's
+    assert list(feed) == [1, 2, 3] and one.vote_ahead
+    two = runner()
+    first, second = two.feed([1, 2], True), two.feed([3, 4], True)
+    assert list(zip(first, second, strict=True)) == [(1, 3), (2, 4)]  # as Lightning combines
+    assert not two.vote_ahead

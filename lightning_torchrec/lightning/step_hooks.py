@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_torchrec.compat.lightning import is_last_batch, take_over_sigterm_broadcast
@@ -45,6 +46,27 @@ class StepVote(Callback):
         except StopRequested:
             # Every rank stops after the same step, as after Lightning's own SIGTERM broadcast.
             raise SIGTERMException() from None
+
+
+def votes_ahead(asked: bool, world_size: int, trainer: Any) -> bool:
+    """Whether a fit's steps may vote ahead (``TorchRecStrategy(vote_ahead=...)``).
+
+    The vote ahead checks the next batch as the loader made it; the step checks the batch that
+    reaches ``batch_to_device``. They are the same object unless the LightningModule or the
+    DataModule overrides ``on_before_batch_transfer`` (which may build another batch, e.g. its
+    KeyedJaggedTensor): then the vote stays before each forward.
+
+    Args:
+        asked: the strategy's ``vote_ahead``.
+        world_size: the number of ranks (one rank has no vote).
+        trainer: the Trainer about to fit.
+
+    Returns:
+        True when the vote may run ahead.
+    """
+    owners = (trainer.lightning_module, trainer.datamodule)
+    hooked = any(o is not None and is_overridden("on_before_batch_transfer", o) for o in owners)
+    return asked and world_size > 1 and not hooked
 
 
 def take_over_step_votes(trainer: Any, runner: StepRunner) -> Any:

@@ -37,7 +37,7 @@ from lightning_torchrec.distributed import init_elastic_group, shutdown_at_exit
 from lightning_torchrec.lightning.checkpoint_hooks import ShardedCheckpointing
 from lightning_torchrec.lightning.data_hooks import DataHooks
 from lightning_torchrec.lightning.preemption import add_slurm_requeue
-from lightning_torchrec.lightning.step_hooks import StepHooks, take_over_step_votes
+from lightning_torchrec.lightning.step_hooks import StepHooks, take_over_step_votes, votes_ahead
 from lightning_torchrec.lightning.trainer_setup import (
     check_fused_precision,
     check_fused_training,
@@ -339,7 +339,7 @@ class TorchRecStrategy(
             timeout=self._timeouts(),
             group=self._host_group,
             batch_checks=self.batch_checks,
-            vote_ahead=self.vote_ahead and fitting and self.world_size > 1,
+            vote_ahead=fitting and votes_ahead(self.vote_ahead, self.world_size, trainer),
         )
         if fitting:
             self._runner.start_fit()

@@ -109,6 +109,7 @@ class StepRunner:
         self.vote_ahead = vote_ahead and pipeline is None and not deferred
         self._peek: Peek | None = None
         self._covered: int | None = None  # the batch whose checks a decided vote covered
+        self._stepped = False  # whether a training step ran since the last epoch's iterator
 
     # ------------------------------------------------------------------ data
     def collective(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -156,7 +157,11 @@ class StepRunner:
         return loader if pipeline is None else pipeline.feed(loader)
 
     def _new_epoch(self, peek: Peek) -> None:
-        self._peek, self._covered = peek, None
+        if self._peek is not None and not self._stepped:
+            # A second training loader in the same epoch (Lightning combines them): the batch
+            # the step gets is made of both, so the vote stays before each forward.
+            self.vote_ahead = False
+        self._peek, self._covered, self._stepped = peek, None, False
 
     def stage(self, training: bool) -> SparseDistPipeline | None:
         """The running stage's pipeline, if any.
@@ -220,6 +225,7 @@ class StepRunner:
         host = self._checked(batch)
         pipeline = self.training
         guard = self.guard
+        self._stepped = True
         covered, self._covered = self._covered == batch_idx, None
         stopping = self.collective(guard.decide_ahead) or []  # normally decided already
         if not covered:  # no vote ahead decided this batch: vote now
@@ -308,7 +314,7 @@ class StepRunner:
     # ------------------------------------------------------------------ stages
     def start_fit(self) -> None:
         """A new training pipeline for a new fit (none without a pipeline)."""
-        self._covered = None
+        self._peek, self._covered, self._stepped = None, None, False
         if self.pipeline == "semi_sync":
             self.training = SemiSyncPipeline(
                 self.model, self.device, self.start_batch, self.global_step, self.asked
