@@ -112,9 +112,10 @@ def step_cost_table(out: Path) -> list[str]:
     lines = [
         "## What the Trainer adds to a step, piece by piece (CPU, 2 gloo ranks)",
         "",
-        f"{_size(r['size'])}; {r['rounds']} interleaved rounds; step = median over rounds of each "
-        "round's median (IQR over rounds). Each row removes one more piece; `- vote` patches out "
-        "the per-step vote that carries Lightning's SIGTERM flag (in the benchmark only). "
+        f"{_size(r['size'])}; {r['rounds']} interleaved rounds, each starting one variant "
+        "later; step = median over rounds of each round's median (IQR over rounds). Each `-` row "
+        "removes one more piece; `- vote` patches out the per-step vote that carries Lightning's "
+        "SIGTERM flag (in the benchmark only); `vote before forward` is `vote_ahead=False`. "
         "`python -m benchmarks.lightning_step_cost`.",
         "",
         "| variant | step | ratio to raw | extra per step |",
