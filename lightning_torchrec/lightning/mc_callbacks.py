@@ -9,6 +9,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
+from lightning_torchrec.lightning.norm_callbacks import log_due
 from lightning_torchrec.training.mc_stats import ManagedCollisionCounts
 
 
@@ -67,12 +68,9 @@ class ManagedCollisionStatsCallback(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        step = trainer.global_step
-        # With gradient accumulation several batches end on one optimizer step: log once.
-        if self._counts is None or step == self._last_logged_step:
-            return
-        cadence = self.every_n_steps or trainer.log_every_n_steps
-        if step % cadence == 0 or trainer.should_stop:
+        if self._counts is not None and log_due(
+            trainer, self.every_n_steps, self._last_logged_step
+        ):
             self._log(trainer, self._counts)
 
     def _log(self, trainer: L.Trainer, counts: ManagedCollisionCounts) -> None:

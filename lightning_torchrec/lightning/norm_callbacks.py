@@ -23,6 +23,27 @@ from lightning_torchrec.training.norms import is_whole_table_norm, l2_norm, weig
 HowToLog = Callable[[torch.Tensor], Any] | Mapping[str, Callable[[torch.Tensor], Any]] | None
 
 
+def log_due(trainer: L.Trainer, every_n_steps: int | None, last_logged_step: int) -> bool:
+    """Whether a step-cadence callback logs at this batch end (the same on every rank).
+
+    Every ``every_n_steps`` optimizer steps (None: the Trainer's ``log_every_n_steps``) and when
+    training stops; once per step: with gradient accumulation several batches end on the same
+    optimizer step (the first ones before any step at all).
+
+    Args:
+        trainer: the Trainer.
+        every_n_steps: the callback's cadence, or None.
+        last_logged_step: the global step the callback last logged at.
+
+    Returns:
+        True when it logs now.
+    """
+    step = trainer.global_step
+    if step == 0 or step == last_logged_step:
+        return False
+    return step % (every_n_steps or trainer.log_every_n_steps) == 0 or trainer.should_stop
+
+
 class _NormCallback(Callback):
     """Cadence and logging shared by the norm callbacks; subclasses compute the values.
 
@@ -41,9 +62,6 @@ class _NormCallback(Callback):
 
     def _prepare(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Resolves names and validates arguments; raises before any step on bad input."""
-
-    def _cadence(self, trainer: L.Trainer) -> int:
-        return self.every_n_steps or trainer.log_every_n_steps
 
     def _check_loggers(self, trainer: L.Trainer) -> None:
         if not trainer.loggers:
@@ -78,12 +96,7 @@ class _NormCallback(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        step = trainer.global_step
-        # With gradient accumulation several batches end on the same optimizer step (the first
-        # ones before any step at all): log once, after the step.
-        if step == 0 or step == self._last_logged_step:
-            return
-        if step % self._cadence(trainer) == 0 or trainer.should_stop:
+        if log_due(trainer, self.every_n_steps, self._last_logged_step):
             self._log(trainer, pl_module)
 
     @override
