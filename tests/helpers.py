@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -56,6 +57,31 @@ def warning_lines(stderr: str) -> list[str]:
         The warning lines (empty when the process printed none).
     """
     return [line for line in stderr.splitlines() if _WARNING_LINE.search(line)]
+
+
+def bad_id_requests(batch: Any, cases: list[tuple[str, int, int]]) -> list[tuple[dict, tuple]]:
+    """Served requests made of ``batch``, each with one id put outside its table.
+
+    Args:
+        batch: a batch with ``dense_features`` and a KJT of ``cat_{i}`` features.
+        cases: ``(feature, id, sample)``: the sample's first id of that feature becomes ``id``
+            (the sample must have one).
+
+    Returns:
+        ``(request, case)`` pairs; a request holds ``dense``, ``values`` and ``lengths``.
+    """
+    kjt = batch.sparse_features
+    size = batch.dense_features.shape[0]
+    offsets = torch.cumsum(kjt.lengths(), 0) - kjt.lengths()
+    requests = []
+    for feature, value, sample in cases:
+        bag = int(feature[-1]) * size + sample
+        assert kjt.lengths()[bag] > 0
+        values = kjt.values().clone()
+        values[offsets[bag]] = value
+        plain = {"dense": batch.dense_features, "values": values, "lengths": kjt.lengths()}
+        requests.append((plain, (feature, value, sample)))
+    return requests
 
 
 def serve_bare(tmp: Path, inputs: dict, artifacts: list[Path]) -> dict:

@@ -263,15 +263,21 @@ def test_outside_torchruns_shared_store_the_launcher_initialises(
     assert not dist.is_initialized()
 
 
-def test_each_torchrun_attempt_writes_under_its_own_prefix_of_the_agents_store(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def agent_store(monkeypatch: pytest.MonkeyPatch) -> dist.TCPStore:
+    """A store standing for torchrun's agent's, as its workers see it."""
     agent = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5)
     )
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(agent.port))
+    return agent
+
+
+def test_each_torchrun_attempt_writes_under_its_own_prefix_of_the_agents_store(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    agent = agent_store(monkeypatch)
     agent.set("rank_1", "dead attempt's address")  # what an attempt without prefix would read
     for attempt in ("0", "1"):
         monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempt)
@@ -286,12 +292,7 @@ def test_each_torchrun_attempt_writes_under_its_own_prefix_of_the_agents_store(
 def test_a_group_made_in_the_attempts_store_is_destroyed_at_exit_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    agent = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5)
-    )
-    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(agent.port))
+    _agent = agent_store(monkeypatch)  # kept alive: the workers connect to it
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     registered: list[Any] = []
     monkeypatch.setattr(atexit, "register", registered.append)

@@ -31,7 +31,7 @@ from lightning_torchrec.export.artifact import (
     quantize_from_checkpoint,
 )
 from lightning_torchrec.lightning.dlrm import DLRMClickModule
-from tests.helpers import run_script, serve_bare
+from tests.helpers import bad_id_requests, run_script, serve_bare
 from tests.scripts.export_ranks import save as save_checkpoint
 from tests.scripts.factory import tiny_data, tiny_dlrm
 
@@ -138,17 +138,9 @@ def test_every_dtype_served_without_the_training_code(
 
 def _bad_requests(batch: Any) -> list[tuple[dict[str, torch.Tensor], tuple]]:
     """Requests with one id outside its table (or bad lengths), with (feature, id, sample)."""
+    cases = [("cat_2", ROWS, 7), ("cat_0", -1, 0), ("cat_3", 2**40, 300)]
+    requests = bad_id_requests(batch, cases)
     kjt = batch.sparse_features
-    size = batch.dense_features.shape[0]
-    offsets = torch.cumsum(kjt.lengths(), 0) - kjt.lengths()
-    requests = []
-    for feature, value, sample in (("cat_2", ROWS, 7), ("cat_0", -1, 0), ("cat_3", 2**40, 300)):
-        bag = int(feature[-1]) * size + sample
-        assert kjt.lengths()[bag] > 0
-        values = kjt.values().clone()
-        values[offsets[bag]] = value
-        plain = {"dense": batch.dense_features, "values": values, "lengths": kjt.lengths()}
-        requests.append((plain, (feature, value, sample)))
     lengths = kjt.lengths().clone()
     lengths[3] += 1  # one id more than the values hold
     plain = {"dense": batch.dense_features, "values": kjt.values(), "lengths": lengths}

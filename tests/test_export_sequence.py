@@ -35,7 +35,7 @@ from lightning_torchrec.export.artifact import (
     quantize_from_checkpoint,
 )
 from lightning_torchrec.models.model_and_loss import ModelAndLoss
-from tests.helpers import serve_bare
+from tests.helpers import bad_id_requests, serve_bare
 from tests.scripts.factory import cpu_trainer, table_wise, tiny_data
 
 ROWS, TABLES, DIM, DENSE = 100, 2, 8, 13
@@ -108,18 +108,7 @@ def batch() -> Any:
 
 def _bad_requests(batch: Any) -> list[tuple[dict[str, torch.Tensor], tuple[str, int, int]]]:
     """Requests with one id outside its table, with (feature, id, sample)."""
-    kjt = batch.sparse_features
-    size = batch.dense_features.shape[0]
-    offsets = torch.cumsum(kjt.lengths(), 0) - kjt.lengths()
-    requests = []
-    for feature, value, sample in (("cat_1", ROWS, 5), ("cat_0", -1, 0), ("cat_1", 2**40, 200)):
-        bag = int(feature[-1]) * size + sample
-        assert kjt.lengths()[bag] > 0
-        values = kjt.values().clone()
-        values[offsets[bag]] = value
-        plain = {"dense": batch.dense_features, "values": values, "lengths": kjt.lengths()}
-        requests.append((plain, (feature, value, sample)))
-    return requests
+    return bad_id_requests(batch, [("cat_1", ROWS, 5), ("cat_0", -1, 0), ("cat_1", 2**40, 200)])
 
 
 def _serve(tmp: Path, artifacts: list[Path], batch: Any, bad: list[dict]) -> dict[str, Any]:

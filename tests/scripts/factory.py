@@ -13,6 +13,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.loggers import Logger
 from torchrec.distributed.planner.types import ParameterConstraints
 
 from lightning_torchrec import DLRMClickModule, SyntheticClickData, TorchRecStrategy
@@ -120,3 +121,25 @@ def cpu_trainer(strategy: Any = None, devices: int = 1, **overrides: Any) -> L.T
     """
     strategy = strategy if strategy is not None else TorchRecStrategy(constraints=table_wise(2))
     return L.Trainer(strategy=strategy, devices=devices, **(QUIET | overrides))
+
+
+class Capture(Logger):
+    """Keeps every logged metric: ``{step: {name: value}}``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics: dict[int, dict[str, float]] = {}
+
+    @property
+    def name(self) -> str:
+        return "capture"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.metrics.setdefault(int(step or 0), {}).update(metrics)

@@ -27,9 +27,8 @@ from typing import Any
 
 import lightning as L
 import torch
-from factory import cpu_trainer  # sibling module (script directory)
+from factory import Capture, cpu_trainer  # sibling module (script directory)
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.loggers import Logger
 from mc_model import STEPS, STOP, data, lookup, module, strategy  # sibling module
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -81,28 +80,6 @@ class Recorder(Callback):
         }
         if trainer.global_step == STOP:  # an eval forward: admits nothing, evicts nothing
             self.steps[STOP]["lookup"] = lookup(pl_module)
-
-
-class Capture(Logger):
-    """Keeps every logged metric: ``{step: {name: value}}``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.metrics: dict[int, dict[str, float]] = {}
-
-    @property
-    def name(self) -> str:
-        return "capture"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.metrics.setdefault(int(step or 0), {}).update(metrics)
 
 
 def run(ckpt: Path | None = None, model: Any = None) -> tuple[L.Trainer, Recorder]:

@@ -27,9 +27,8 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
-from factory import QUIET, table_wise, tiny_data, tiny_dlrm
+from factory import QUIET, Capture, table_wise, tiny_data, tiny_dlrm
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import Logger
 
 from lightning_torchrec import (
     DLRMClickModule,
@@ -96,28 +95,6 @@ class NanAt(DLRMClickModule):
             return optimizer
         step = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": step, "interval": "step"}}
-
-
-class Capture(Logger):
-    """Keeps every logged metric: ``{step: {name: value}}``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.metrics: dict[int, dict[str, float]] = {}
-
-    @property
-    def name(self) -> str:
-        return "capture"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.metrics.setdefault(int(step or 0), {}).update(metrics)
 
 
 class Losses(Callback):
