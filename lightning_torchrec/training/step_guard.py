@@ -299,13 +299,9 @@ class StepGuard:
             NonFiniteLossError: on every rank when any rank's previous loss was NaN/inf.
             UnevenDataError: on every rank when only some ranks are at their last batch.
         """
-        pending, self._pending = self._pending, None
-        if not batch_checked and pending is None:
+        if not batch_checked and self._pending is None:
             return []
-        if pending is not None and self._copied is not None:
-            self._copied.synchronize()  # the step's copy finished long ago; no stall
-            self._copied = None
-        error = _nonfinite_loss_error(pending)
+        error = self._loss_error()
         last, stopping = agree(
             batch_error, error, flags=[last_batch, stop], device=self.device, group=self.group
         )
@@ -329,14 +325,18 @@ class StepGuard:
             stop: whether this rank asks every rank to stop (when :attr:`carries_stop`).
         """
         self.decide_ahead()
+        flags = [last, stop and self.carries_stop]
+        error = self._loss_error()
+        decide = launch_agree(next_error, error, flags=flags, device=self.device, group=self.group)
+        self._ahead = (decide, batch_idx)
+
+    def _loss_error(self) -> NonFiniteLossError | None:
+        """Takes the recorded loss and judges it (its CUDA copy finished long ago: no stall)."""
         pending, self._pending = self._pending, None
         if pending is not None and self._copied is not None:
             self._copied.synchronize()
             self._copied = None
-        flags = [last, stop and self.carries_stop]
-        error = _nonfinite_loss_error(pending)
-        decide = launch_agree(next_error, error, flags=flags, device=self.device, group=self.group)
-        self._ahead = (decide, batch_idx)
+        return _nonfinite_loss_error(pending)
 
     def decide_ahead(self) -> list[int] | None:
         """Decides the vote :meth:`vote_ahead` started, if one is running. Collective.
