@@ -6,9 +6,11 @@ its tables. A model reading ``ebc(kjt).values()`` positionally (TorchRec's DLRM 
 ``to_dict()``) then computes one function under one plan and another under another plan, world
 size, or unsharded after consolidation. :func:`keep_key_order` appends one callback to the
 awaitable every sharded EBC/EC returns (from ``output_dist`` and ``compute_and_output_dist``,
-the calls TorchRec's train pipelines make too) that restores the unsharded order: a column
-permutation of the pooled embeddings (fbgemm's ``permute_pooled_embs``, one block copy per key;
-skipped when the order already matches) or a re-keyed dict for an ``EmbeddingCollection``.
+the calls TorchRec's train pipelines make too) that restores the unsharded order: for pooled
+outputs a ``KeyedTensor`` in the unsharded order that reads each key from the sharded output
+(``kt[key]``, ``to_dict()``: no copy, what DLRM-style models read) and permutes the columns
+(fbgemm's ``permute_pooled_embs``, one block copy per key) only when its values are read whole
+(``values()``, ``regroup``); a re-keyed dict for an ``EmbeddingCollection``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,59 @@ def unsharded_key_order(configs: list[BaseEmbeddingConfig]) -> list[str]:
     return [name for names in get_embedding_names_by_table(configs) for name in names]
 
 
+class _PlanOrderedKeyedTensor(KeyedTensor):
+    """A ``KeyedTensor`` in the target order over a sharded output in another order.
+
+    Per-key reads (``[key]``, ``to_dict()``) are views of the sharded output; the whole values
+    tensor (``values()``, and every other reader of ``_values``) is the permuted copy, made once
+    on first read. Both give the same numbers, and gradients, as a permuted copy would.
+    """
+
+    def __init__(
+        self, keys: list[str], source: KeyedTensor, permute: PermutePooledEmbeddings
+    ) -> None:
+        self._source = source
+        self._permute = permute
+        self._ordered: torch.Tensor | None = None
+        lengths = dict(zip(source.keys(), source.length_per_key(), strict=True))
+        super().__init__(
+            keys=keys,
+            length_per_key=[lengths[k] for k in keys],
+            values=None,  # type: ignore[arg-type]  # made on first read
+            key_dim=source.key_dim(),
+        )
+
+    @property  # type: ignore[override]
+    def _values(self) -> torch.Tensor:
+        if self._ordered is None:
+            values = self._source.values()
+            one = self._source.key_dim() == 1
+            self._ordered = self._permute(values) if one else self._permute(values.t()).t()
+        return self._ordered
+
+    @_values.setter
+    def _values(self, values: torch.Tensor | None) -> None:
+        if values is not None:
+            self._ordered = values
+
+    def device(self) -> torch.device:
+        """The device of the values (no permutation)."""
+        return self._source.device()
+
+    def size_in_bytes(self) -> int:
+        """The size of the values in bytes (no permutation)."""
+        return self._source.size_in_bytes()
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        """The columns of ``key``: a view of the sharded output."""
+        return self._source[key]
+
+    def to_dict(self) -> dict[str, torch.Tensor]:
+        """``{key: columns}`` in the target order: views of the sharded output."""
+        parts = self._source.to_dict()
+        return {key: parts[key] for key in self._keys}
+
+
 class KeyedTensorOrder:
     """Re-keys ``KeyedTensor`` outputs to a target key order (idempotent; caches the index).
 
@@ -56,29 +111,24 @@ class KeyedTensorOrder:
             kt: a pooled output.
 
         Returns:
-            ``kt`` itself when the order matches, else a reordered ``KeyedTensor``.
+            ``kt`` itself when the order matches, else a ``KeyedTensor`` in the target order
+            whose columns are permuted only when its values are read whole.
         """
         keys = kt.keys()
         if keys == self.keys:
             return kt
-        lengths = dict(zip(keys, kt.length_per_key(), strict=True))
-        values = kt.values()
-        cache_key = (tuple(keys), values.device)
+        device = kt.device()
+        cache_key = (tuple(keys), device)
         permute = self._permute.get(cache_key)
         if permute is None:
             # fbgemm's pooled-embedding permutation (what TorchRec's own output dists use): one
             # block copy per key, with its own backward.
             position = {k: i for i, k in enumerate(keys)}
             permute = PermutePooledEmbeddings(
-                kt.length_per_key(), [position[k] for k in self.keys], values.device
+                kt.length_per_key(), [position[k] for k in self.keys], device
             )
             self._permute[cache_key] = permute
-        return KeyedTensor(
-            keys=self.keys,
-            length_per_key=[lengths[k] for k in self.keys],
-            values=permute(values) if kt.key_dim() == 1 else permute(values.t()).t(),
-            key_dim=kt.key_dim(),
-        )
+        return _PlanOrderedKeyedTensor(self.keys, kt, permute)
 
 
 class DictOrder:
