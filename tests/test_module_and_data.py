@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import csv
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
 from torchmetrics.functional.classification import binary_auroc
 
 from lightning_torchrec import Batch, ModelAndLoss, SyntheticClickData
@@ -171,3 +176,52 @@ def test_train_loss_is_a_progress_bar_value_only_with_a_progress_bar(bar: bool) 
     # Lightning reads progress-bar values every step: a GPU-to-host sync without a bar to show.
     assert ("train/loss" in trainer.progress_bar_metrics) is bar
     assert "train/loss" in trainer.callback_metrics
+
+
+class _LossSeen(Callback):
+    """Each step's returned loss, and the ``train/loss`` the Trainer holds after it."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.held: list[float | None] = []
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, *args: Any) -> None:
+        self.losses.append(float(outputs["loss"]))
+        held = trainer.callback_metrics.get("train/loss")
+        self.held.append(None if held is None else float(held))
+
+
+@pytest.mark.parametrize("case", ["cadence", "monitored", "every_step"])
+def test_train_loss_is_logged_when_something_reads_it(case: str, tmp_path: Path) -> None:
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_torchrec import TorchRecStrategy
+    from tests.scripts.factory import QUIET, table_wise, tiny_data, tiny_dlrm
+
+    seen = _LossSeen()
+    callbacks: list[Callback] = [seen]
+    if case == "monitored":  # a monitor may read it at any step
+        callbacks.append(ModelCheckpoint(tmp_path / "ckpt", monitor="train/loss", save_top_k=1))
+    trainer = L.Trainer(
+        strategy=TorchRecStrategy(constraints=table_wise(2), log_plan=False),
+        devices=1,
+        max_steps=7,
+        log_every_n_steps=3,
+        limit_val_batches=0,
+        callbacks=callbacks,
+        **(QUIET | {"logger": CSVLogger(tmp_path), "enable_checkpointing": case == "monitored"}),
+    )
+    every = 1 if case == "every_step" else None
+    trainer.fit(tiny_dlrm(train_loss_every_n_steps=every), datamodule=tiny_data())
+    with open(Path(trainer.logger.log_dir) / "metrics.csv") as f:
+        rows = {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(f)}
+    # The loggers get each of their steps' own loss (steps 3 and 6); the Trainer holds the
+    # last step's too (Lightning's loggers write it only at their cadence).
+    assert rows == {s - 1: pytest.approx(seen.losses[s - 1], abs=1e-6) for s in (3, 6)}
+    pairs = enumerate(zip(seen.held, seen.losses, strict=True))
+    fresh = [i for i, (held, loss) in pairs if held == loss]
+    assert fresh == (list(range(7)) if case != "cadence" else [2, 5, 6])
+    with pytest.raises(ValueError, match="train_loss_every_n_steps"):
+        tiny_dlrm(train_loss_every_n_steps=0)

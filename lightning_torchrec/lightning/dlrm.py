@@ -27,6 +27,8 @@ class DLRMClickModule(TorchRecModule):
         metrics_window_size: samples (over all ranks) of the training window metrics.
         train_metrics_every_n_steps: steps between training metric computations; None follows
             ``log_every_n_steps``, 0 turns training metrics off (see ``TorchRecModule``).
+        train_loss_every_n_steps: steps between ``train/loss`` logs; None logs it when read
+            (see ``TorchRecModule``).
 
     Raises:
         ValueError: if the layer sizes do not fit DLRM's shape rules.
@@ -45,6 +47,7 @@ class DLRMClickModule(TorchRecModule):
         lr_scheduler: LRSchedulerCallable | None = None,
         metrics_window_size: int = 100_000,
         train_metrics_every_n_steps: int | None = None,
+        train_loss_every_n_steps: int | None = None,
     ) -> None:
         model = dlrm_click_model(
             num_embeddings_per_feature,
@@ -61,5 +64,6 @@ class DLRMClickModule(TorchRecModule):
             lr_scheduler=lr_scheduler,
             metrics_window_size=metrics_window_size,
             train_metrics_every_n_steps=train_metrics_every_n_steps,
+            train_loss_every_n_steps=train_loss_every_n_steps,
         )
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])

@@ -29,6 +29,19 @@ def default_optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-3)
 
 
+def monitored(trainer: L.Trainer, key: str) -> bool:
+    """Whether one of the Trainer's callbacks monitors ``key`` (its ``monitor`` attribute).
+
+    Args:
+        trainer: the Trainer.
+        key: a logged name.
+
+    Returns:
+        True when a callback (``ModelCheckpoint``, ``EarlyStopping``, ...) monitors it.
+    """
+    return any(getattr(callback, "monitor", None) == key for callback in trainer.callbacks)
+
+
 class TorchRecModule(L.LightningModule):
     """A LightningModule for click models built on ``ModelAndLoss``.
 
@@ -61,6 +74,12 @@ class TorchRecModule(L.LightningModule):
         metrics_window_size: samples (over all ranks) of the training window metrics.
         train_metrics_every_n_steps: steps between training metric computations (a collective
             over the ranks); None uses the trainer's ``log_every_n_steps``, 0 turns them off.
+        train_loss_every_n_steps: steps between ``train/loss`` logs (Lightning's result
+            collection costs every ``self.log``). None: at every step when something reads it
+            then (a progress bar, or a callback whose ``monitor`` is ``train/loss``, such as
+            ``ModelCheckpoint`` or ``EarlyStopping``), else at the loggers' steps
+            (``log_every_n_steps``) and the last step of the fit or epoch; 1: every step (for a
+            callback reading ``trainer.callback_metrics["train/loss"]`` at every step).
     """
 
     #: FLOPs of one training batch for Lightning's ``ThroughputMonitor``; None: not measured.
@@ -75,8 +94,13 @@ class TorchRecModule(L.LightningModule):
         task_names: list[str] | None = None,
         metrics_window_size: int = 100_000,
         train_metrics_every_n_steps: int | None = None,
+        train_loss_every_n_steps: int | None = None,
     ) -> None:
         super().__init__()
+        if train_loss_every_n_steps is not None and train_loss_every_n_steps < 1:
+            raise ValueError(
+                f"train_loss_every_n_steps must be >= 1 or None, got {train_loss_every_n_steps}"
+            )
         self.model_and_loss = model_and_loss
         self.optimizer_factory = optimizer
         self.lr_scheduler_factory = lr_scheduler
@@ -86,6 +110,7 @@ class TorchRecModule(L.LightningModule):
         self.task_names = list(task_names) if task_names else ["click"]
         self.metrics_window_size = metrics_window_size
         self.train_metrics_every_n_steps = train_metrics_every_n_steps
+        self.train_loss_every_n_steps = train_loss_every_n_steps
         # Plain attribute, not submodules: metric states stay out of state_dict and checkpoints.
         self.rec_metrics: dict[str, RecMetrics] = {}
 
@@ -188,7 +213,8 @@ class TorchRecModule(L.LightningModule):
         """
         loss, outputs = self(batch)
         n = len(batch.labels)
-        self._log_train_loss(loss, n)
+        if self._train_loss_due(batch_idx):
+            self._log_train_loss(loss, n)
         every = self.train_metrics_every_n_steps
         if every is None:
             every = self.trainer.log_every_n_steps if self._trainer is not None else 0
@@ -199,11 +225,22 @@ class TorchRecModule(L.LightningModule):
                 self.log_dict(values, batch_size=n, on_step=True, on_epoch=False)
         return loss
 
+    def _train_loss_due(self, batch_idx: int) -> bool:
+        trainer = self._trainer
+        if trainer is None:
+            return True
+        every = self.train_loss_every_n_steps
+        if every is None:
+            if trainer.progress_bar_callback is not None or monitored(trainer, "train/loss"):
+                return True
+            every = trainer.log_every_n_steps
+        step = self.global_step + 1  # the optimizer step this batch makes
+        last = (0 < trainer.max_steps <= step) or batch_idx + 1 >= trainer.num_training_batches
+        return (every > 0 and step % every == 0) or last
+
     def _log_train_loss(self, loss: torch.Tensor, batch_size: int) -> None:
-        # Logged at every step (ModelCheckpoint and EarlyStopping may monitor it at any step;
-        # Lightning writes it to the loggers every ``log_every_n_steps``). In the progress bar
-        # only on the CPU: Lightning turns progress-bar values into Python numbers at every
-        # refresh, which on CUDA waits for the GPU at every step.
+        # In the progress bar only on the CPU: Lightning turns progress-bar values into Python
+        # numbers at every refresh, which on CUDA waits for the GPU at every step.
         trainer = self._trainer
         bar = trainer is not None and trainer.progress_bar_callback is not None
         self.log(

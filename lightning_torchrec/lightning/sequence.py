@@ -75,7 +75,8 @@ class SASRecModule(TorchRecModule):
             The loss.
         """
         loss, _ = self(batch)
-        self._log_train_loss(loss, len(batch.labels))
+        if self._train_loss_due(batch_idx):
+            self._log_train_loss(loss, len(batch.labels))
         return loss
 
     def _rank_step(self, batch: Any, stage: str, metric: RankingMetrics) -> torch.Tensor:
