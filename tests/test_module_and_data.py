@@ -154,8 +154,10 @@ def test_batches_go_from_the_host_to_an_accelerator_without_blocking() -> None:
     assert not host_to_accelerator(cuda, cpu)  # the host reads the result: block
     assert not host_to_accelerator(cpu, cpu) and not host_to_accelerator(cpu, meta)
     batch = SyntheticClickDataset([10, 10], num_batches=1, batch_size=4)[0]
-    moved = batch.to("cpu")
-    assert torch.equal(moved.dense_features, batch.dense_features)
+    assert batch.to("cpu") is batch  # already there: no new batch, the KJT keeps its caches
+    moved = batch.to("meta")
+    assert moved is not batch and moved.sparse_features.device().type == "meta"
+    assert moved.dense_features.device.type == "meta" and batch.labels.device.type == "cpu"
 
 
 @pytest.mark.parametrize("bar", [False, True])

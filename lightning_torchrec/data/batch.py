@@ -11,6 +11,12 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
 
 
+def _device(value: object) -> torch.device | None:
+    """Where a tensor or a TorchRec tensor type lives (``device`` is a method on the latter)."""
+    device = getattr(value, "device", None)
+    return device() if callable(device) else device
+
+
 def host_to_accelerator(source: torch.device, target: torch.device) -> bool:
     """Whether a copy from ``source`` to ``target`` goes from the host to an accelerator.
 
@@ -48,8 +54,13 @@ class TensorFields(Pipelineable):
                 before the step's kernels on the same stream.
 
         Returns:
-            A new batch on ``device``.
+            A new batch on ``device``, or this batch when all of it is there already (as
+            ``Tensor.to`` does: no new objects, and a KeyedJaggedTensor keeps its cached
+            offsets).
         """
+        target = torch.device(device)
+        if all(v is None or _device(v) == target for v in self._fields().values()):
+            return self
         if non_blocking is None:
             labels = self._fields()["labels"]
             assert isinstance(labels, torch.Tensor)
