@@ -83,6 +83,12 @@ class _PlanOrderedKeyedTensor(KeyedTensor):
         """The size of the values in bytes (no permutation)."""
         return self._source.size_in_bytes()
 
+    def record_stream(self, stream: torch.cuda.streams.Stream) -> None:
+        """Marks the sharded output (and the permuted copy, once made) as used on ``stream``."""
+        self._source.record_stream(stream)
+        if self._ordered is not None:
+            self._ordered.record_stream(stream)
+
     def __getitem__(self, key: str) -> torch.Tensor:
         """The columns of ``key``: a view of the sharded output."""
         return self._source[key]
