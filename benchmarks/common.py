@@ -124,6 +124,11 @@ class ModelSize:
         return cls(tables=4, rows=200, dim=8, ids_per_feature=2, batch_size=32)
 
 
+#: The raw loops that train synchronously, as the Trainer does at its defaults (semi-sync reads
+#: the tables one update late).
+SYNC_RAW = ("raw_base", "raw_sparse_dist")
+
+
 class CachedBatches(Dataset):
     """Batches generated once (``prepare(indices)``), so step timings exclude making data.
 
