@@ -227,3 +227,26 @@ def test_train_loss_is_logged_when_something_reads_it(case: str, tmp_path: Path)
     assert fresh == (list(range(7)) if case != "cadence" else [2, 5, 6])
     with pytest.raises(ValueError, match="train_loss_every_n_steps"):
         tiny_dlrm(train_loss_every_n_steps=0)
+
+
+def test_a_loss_off_the_cpu_is_not_logged_every_step_for_a_progress_bar() -> None:
+    import lightning as L
+
+    from tests.scripts.factory import QUIET, tiny_dlrm
+
+    trainer = L.Trainer(
+        max_steps=100, log_every_n_steps=50, **(QUIET | {"enable_progress_bar": True})
+    )
+    trainer.fit_loop.max_batches = 20  # as during a fit of 20 batches an epoch
+    module = tiny_dlrm()
+    module.trainer = trainer
+    calls: list[tuple[str, bool]] = []
+    module.log = lambda name, value, **kw: calls.append((name, kw["prog_bar"]))  # type: ignore[method-assign]
+    # On CUDA the bar does not show the loss (a refresh would wait for the GPU): nothing reads
+    # it at step 4, so it is not logged there.
+    module._log_train_loss(torch.tensor(0.5, device="meta"), 4, batch_idx=3)
+    assert calls == []
+    module._log_train_loss(torch.tensor(0.5), 4, batch_idx=3)  # on the CPU the bar shows it
+    assert calls == [("train/loss", True)]
+    module._log_train_loss(torch.tensor(0.5, device="meta"), 4, batch_idx=19)  # the epoch's last
+    assert calls[-1] == ("train/loss", False)

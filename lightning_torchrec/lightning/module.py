@@ -76,10 +76,11 @@ class TorchRecModule(L.LightningModule):
             over the ranks); None uses the trainer's ``log_every_n_steps``, 0 turns them off.
         train_loss_every_n_steps: steps between ``train/loss`` logs (Lightning's result
             collection costs every ``self.log``). None: at every step when something reads it
-            then (a progress bar, or a callback whose ``monitor`` is ``train/loss``, such as
-            ``ModelCheckpoint`` or ``EarlyStopping``), else at the loggers' steps
-            (``log_every_n_steps``) and the last step of the fit or epoch; 1: every step (for a
-            callback reading ``trainer.callback_metrics["train/loss"]`` at every step).
+            then (a progress bar, which shows it on the CPU only, or a callback whose
+            ``monitor`` is ``train/loss``, such as ``ModelCheckpoint`` or ``EarlyStopping``),
+            else at the loggers' steps (``log_every_n_steps``) and the last step of the fit or
+            epoch; 1: every step (for a callback reading
+            ``trainer.callback_metrics["train/loss"]`` at every step).
     """
 
     #: FLOPs of one training batch for Lightning's ``ThroughputMonitor``; None: not measured.
@@ -213,8 +214,7 @@ class TorchRecModule(L.LightningModule):
         """
         loss, outputs = self(batch)
         n = len(batch.labels)
-        if self._train_loss_due(batch_idx):
-            self._log_train_loss(loss, n)
+        self._log_train_loss(loss, n, batch_idx)
         every = self.train_metrics_every_n_steps
         if every is None:
             every = self.trainer.log_every_n_steps if self._trainer is not None else 0
@@ -225,27 +225,24 @@ class TorchRecModule(L.LightningModule):
                 self.log_dict(values, batch_size=n, on_step=True, on_epoch=False)
         return loss
 
-    def _train_loss_due(self, batch_idx: int) -> bool:
+    def _log_train_loss(self, loss: torch.Tensor, batch_size: int, batch_idx: int) -> None:
+        # In the progress bar only on the CPU: Lightning turns progress-bar values into Python
+        # numbers at every refresh, which on CUDA waits for the GPU at every step.
         trainer = self._trainer
-        if trainer is None:
-            return True
+        bar = trainer is not None and trainer.progress_bar_callback is not None
+        bar = bar and loss.device.type == "cpu"
+        if trainer is None or self._train_loss_due(trainer, batch_idx, bar):
+            self.log("train/loss", loss, prog_bar=bar, batch_size=batch_size)
+
+    def _train_loss_due(self, trainer: L.Trainer, batch_idx: int, in_bar: bool) -> bool:
         every = self.train_loss_every_n_steps
         if every is None:
-            if trainer.progress_bar_callback is not None or monitored(trainer, "train/loss"):
+            if in_bar or monitored(trainer, "train/loss"):
                 return True
             every = trainer.log_every_n_steps
         step = self.global_step + 1  # the optimizer step this batch makes
         last = (0 < trainer.max_steps <= step) or batch_idx + 1 >= trainer.num_training_batches
         return (every > 0 and step % every == 0) or last
-
-    def _log_train_loss(self, loss: torch.Tensor, batch_size: int) -> None:
-        # In the progress bar only on the CPU: Lightning turns progress-bar values into Python
-        # numbers at every refresh, which on CUDA waits for the GPU at every step.
-        trainer = self._trainer
-        bar = trainer is not None and trainer.progress_bar_callback is not None
-        self.log(
-            "train/loss", loss, prog_bar=bar and loss.device.type == "cpu", batch_size=batch_size
-        )
 
     def _eval_step(self, batch: Any, stage: str, auroc: BinaryAUROC) -> torch.Tensor:
         loss, outputs = self(batch)

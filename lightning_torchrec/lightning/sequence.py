@@ -75,8 +75,7 @@ class SASRecModule(TorchRecModule):
             The loss.
         """
         loss, _ = self(batch)
-        if self._train_loss_due(batch_idx):
-            self._log_train_loss(loss, len(batch.labels))
+        self._log_train_loss(loss, len(batch.labels), batch_idx)
         return loss
 
     def _rank_step(self, batch: Any, stage: str, metric: RankingMetrics) -> torch.Tensor:
