@@ -250,3 +250,29 @@ def test_a_loss_off_the_cpu_is_not_logged_every_step_for_a_progress_bar() -> Non
     assert calls == [("train/loss", True)]
     module._log_train_loss(torch.tensor(0.5, device="meta"), 4, batch_idx=19)  # the epoch's last
     assert calls[-1] == ("train/loss", False)
+
+
+def test_a_plateau_scheduler_on_train_loss_gets_it_at_every_step() -> None:
+    import lightning as L
+
+    from lightning_torchrec import DLRMClickModule, TorchRecStrategy
+    from tests.scripts.factory import QUIET, table_wise, tiny_data, tiny_dlrm
+
+    class Plateau(DLRMClickModule):
+        def configure_optimizers(self) -> Any:
+            optimizer = super().configure_optimizers()
+            scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0)
+            config = {"scheduler": scheduler, "interval": "step", "monitor": "train/loss"}
+            return {"optimizer": optimizer, "lr_scheduler": config}
+
+    trainer = L.Trainer(
+        strategy=TorchRecStrategy(constraints=table_wise(2), log_plan=False),
+        devices=1,
+        max_steps=4,
+        log_every_n_steps=50,
+        limit_val_batches=0,
+        **QUIET,
+    )
+    # Lightning reads the monitored value after every step (and refuses a step without it).
+    trainer.fit(tiny_dlrm(cls=Plateau), datamodule=tiny_data())
+    assert trainer.global_step == 4

@@ -30,16 +30,19 @@ def default_optimizer(params: Any) -> torch.optim.Optimizer:
 
 
 def monitored(trainer: L.Trainer, key: str) -> bool:
-    """Whether one of the Trainer's callbacks monitors ``key`` (its ``monitor`` attribute).
+    """Whether a callback or an LR scheduler of the Trainer monitors ``key``.
 
     Args:
         trainer: the Trainer.
         key: a logged name.
 
     Returns:
-        True when a callback (``ModelCheckpoint``, ``EarlyStopping``, ...) monitors it.
+        True when a callback (``ModelCheckpoint``, ``EarlyStopping``, anything with a
+        ``monitor`` attribute) or an LR scheduler's config (``ReduceLROnPlateau``) monitors it.
     """
-    return any(getattr(callback, "monitor", None) == key for callback in trainer.callbacks)
+    if any(getattr(callback, "monitor", None) == key for callback in trainer.callbacks):
+        return True
+    return any(config.monitor == key for config in trainer.lr_scheduler_configs)
 
 
 class TorchRecModule(L.LightningModule):
@@ -77,7 +80,8 @@ class TorchRecModule(L.LightningModule):
         train_loss_every_n_steps: steps between ``train/loss`` logs (Lightning's result
             collection costs every ``self.log``). None: at every step when something reads it
             then (a progress bar, which shows it on the CPU only, or a callback whose
-            ``monitor`` is ``train/loss``, such as ``ModelCheckpoint`` or ``EarlyStopping``),
+            ``monitor`` is ``train/loss``, such as ``ModelCheckpoint`` or ``EarlyStopping``,
+            or an LR scheduler monitoring it),
             else at the loggers' steps (``log_every_n_steps``) and the last step of the fit or
             epoch; 1: every step (for a callback reading
             ``trainer.callback_metrics["train/loss"]`` at every step).
