@@ -93,6 +93,28 @@ def test_split_gives_each_side_every_item_once_in_order() -> None:
     assert list(left) == list(right) == []  # ended for both
 
 
+def test_a_dropped_side_holds_nothing_while_the_other_reads_on() -> None:
+    refs: list[weakref.ref] = []
+
+    def items():
+        for n in range(50):
+            item = Item(n)
+            refs.append(weakref.ref(item))
+            yield item
+            del item
+
+    consumer, reader = Split(items()).sides()
+    peek = Peek(reader)
+    assert peek.after(0)[1].n == 1 and next(consumer).n == 0
+    # The reader is given up (a pipeline TorchRec cannot trace, the vote ahead switched off):
+    # the rest of the epoch must not pile up for it.
+    del peek, reader
+    for batch in consumer:
+        del batch
+    gc.collect()
+    assert sum(r() is not None for r in refs) == 0
+
+
 def test_peek_counts_from_the_first_batch_it_is_asked_about() -> None:
     consumer, reader = Split(iter("abc")).sides()
     peek = Peek(reader)

@@ -21,6 +21,8 @@ class Split:
 
     Unlike ``itertools.tee``, which frees its items in blocks of 57, an item is held only until
     both sides have taken it: a side reading ahead holds one batch or two, not a block of them.
+    A side that is dropped (a pipeline given up, a reader no longer needed) stops holding items
+    for itself: the other side goes on alone.
 
     Args:
         source: the iterator to share.
@@ -29,6 +31,7 @@ class Split:
     def __init__(self, source: Iterator[Any]) -> None:
         self._source = source
         self._waiting: tuple[deque[Any], deque[Any]] = (deque(), deque())
+        self._dropped = [False, False]
         self._ended = False
 
     def sides(self) -> tuple[Iterator[Any], Iterator[Any]]:
@@ -61,8 +64,18 @@ class Split:
         except StopIteration:
             self._ended = True
             raise
-        self._waiting[1 - side].append(item)
+        if not self._dropped[1 - side]:
+            self._waiting[1 - side].append(item)
         return item
+
+    def drop(self, side: int) -> None:
+        """Forgets ``side``: what it has not taken is released, and nothing more is kept for it.
+
+        Args:
+            side: 0 or 1.
+        """
+        self._dropped[side] = True
+        self._waiting[side].clear()
 
 
 class _Side:
@@ -74,6 +87,9 @@ class _Side:
 
     def __next__(self) -> Any:
         return self._split.take(self._side)
+
+    def __del__(self) -> None:
+        self._split.drop(self._side)
 
 
 class Lookahead:
