@@ -71,6 +71,17 @@ def test_lr_schedule_and_norm_callbacks_see_the_same_run_through_sparse_dist(run
     assert {k: a["metrics"][last][k] for k in norms} == {k: b["metrics"][last][k] for k in norms}
 
 
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_a_pipelined_step_votes_during_the_step_before(run: Path, pipeline: str) -> None:
+    plain = load_ranks(run, "None_schedule")
+    for r, p in zip(load_ranks(run, f"{pipeline}_schedule"), plain, strict=True):
+        # Each of the 12 steps starts the vote on what the next step's progress() sends right
+        # after its forward, as the unpipelined steps do with their next batch; the votes that
+        # wait are the same few as there (step 0's batches, and the setup's).
+        assert r["votes_ahead"] == p["votes_ahead"] == 12
+        assert r["votes_now"] == p["votes_now"] <= 3
+
+
 def test_lr_schedule_and_norm_callbacks_run_through_semi_sync(run: Path) -> None:
     plain, semi = load_ranks(run, "None_schedule"), load_ranks(run, "semi_sync_schedule")
     for a, b in zip(plain, semi, strict=True):

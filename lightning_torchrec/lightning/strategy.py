@@ -138,9 +138,9 @@ class TorchRecStrategy(
             clamped to row 0 by fbgemm in between, and before any checkpoint is written (see
             ``lightning_torchrec.training.device_checks``).
         pipeline_options: ``{"start_batch": N}`` for ``"semi_sync"`` (default 900, TorchRec's).
-        vote_ahead: unpipelined training on more than one rank, batches checked on the host
-            (the CPU): each step's vote on the next step starts after the forward and is decided
-            after the step (its batch read one step early), so it runs during the backward.
+        vote_ahead: training on more than one rank, pipelined or with batches checked on the
+            host: each step's vote on the next step starts after the forward and is decided
+            after the step (the batches it covers read one step early), during the backward.
             False votes before each forward: only then does a peer that hangs between two steps
             stop the others within ``peer_timeout`` (with the vote ahead they wait in the next
             forward's all-to-all, for ``timeout``).

@@ -121,7 +121,8 @@ class Lookahead:
     def ahead(self, depth: int, batch_idx: int) -> list[tuple[int, Any]]:
         """Reads the batches the next step's ``progress()`` sends, and returns the new ones.
 
-        Call once per step, before that step's ``progress()``.
+        Call once per step, before that step's ``progress()`` (or, voting ahead, after the
+        previous step's forward).
 
         Args:
             depth: how many batches past the current one that ``progress()`` sends early (1 for

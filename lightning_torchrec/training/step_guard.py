@@ -23,10 +23,7 @@ import torch
 
 from lightning_torchrec.compat.upstream import ShardedTensor
 from lightning_torchrec.distributed import agree, launch_agree, rank_and_world_size
-from lightning_torchrec.errors import (
-    BatchValidationError,
-    NonFiniteLossError,
-)
+from lightning_torchrec.errors import BatchValidationError, NonFiniteLossError
 from lightning_torchrec.sharding.layout import shard_info
 from lightning_torchrec.sharding.tables import FeatureSpec
 from lightning_torchrec.training.batch_checks import check_batch
@@ -105,17 +102,20 @@ class StepGuard:
             return check_batch(batch, self.specs, self.dense_width, where)
         return None if problem is None else BatchValidationError(f"{where}: {problem}")
 
-    def verdict_of(self, batch: Any, step: int) -> Exception | None:
+    def verdict_of(
+        self, batch: Any, step: int, ahead: list[tuple[int, Any]] | None = None
+    ) -> Exception | None:
         """This rank's verdict on the batch of global step ``step`` (None: fine or unchecked).
 
         Args:
             batch: the host batch.
             step: its global step.
+            ahead: with a train pipeline, the batches its ``progress()`` at that step sends.
 
         Returns:
             The validation error, or None.
         """
-        return self._verdict(batch, f"step {step}") if self._checks(step) else None
+        return self._verdict(batch, f"step {step}", ahead) if self._checks(step) else None
 
     def _verdict(
         self, batch: Any, where: str, ahead: list[tuple[int, Any]] | None = None

@@ -60,11 +60,12 @@ class StepRunner:
             device, judged at the next step's vote; see
             :mod:`~lightning_torchrec.training.device_checks`), or ``"auto"``: ``"next_step"``
             on CUDA, ``"before_forward"`` on the CPU (where both read the same memory).
-        vote_ahead: for unpipelined steps whose batches are checked on the host: start each
-            step's vote on the next step (its batch read one step ahead) right after the forward
+        vote_ahead: for steps whose batches are checked on the host (pipelined, or unpipelined
+            with host checks): start each step's vote on the next step right after the forward
             and decide it after the step (:meth:`after_step`, which the front end must then call
             on every rank after every training step), so the vote runs while the backward does
-            instead of stopping the step.
+            instead of stopping the step. The batches the vote covers are read one step early:
+            the next step's batch, or with a pipeline the ones its next ``progress()`` sends.
     """
 
     def __init__(
@@ -106,7 +107,7 @@ class StepRunner:
         self.evaluation: SparseDistPipeline | None = None
         self._host_batch: Any = None
         #: Whether training steps vote ahead (see the ``vote_ahead`` argument).
-        self.vote_ahead = vote_ahead and pipeline is None and not deferred
+        self.vote_ahead = vote_ahead and (pipeline is not None or not deferred)
         self._peek: Peek | None = None
         self._covered: int | None = None  # the batch whose checks a decided vote covered
         self._stepped = False  # whether a training step ran since the last epoch's iterator
@@ -147,7 +148,7 @@ class StepRunner:
         if self.guard.validate_batches is not False:
             guard = self.guard
             check_in_workers(loader, guard.specs, guard.dense_width, str(guard.token))
-        if training and self.vote_ahead:
+        if training and self.vote_ahead and self.pipeline is None:
             return PipelineFeed(loader, self._new_epoch, lambda: self.vote_ahead, Peek)
         if self.pipeline is None:
             return loader
@@ -239,12 +240,23 @@ class StepRunner:
             output = self.collective(run, batch)
         else:
             output, usable = self.collective(pipeline.run, run, lambda: run(move(host)))
-            if not usable:
-                self.training = None
+            if not usable:  # unpipelined from now on, with no batch read ahead to vote on
+                self.training, self.vote_ahead = None, False
         guard.record_loss(output, step)
-        if self.vote_ahead and self._peek is not None:
+        if self.vote_ahead and self.training is not None:
+            self._vote_next_sent(self.training, step, batch_idx, last, stop)
+        elif self.vote_ahead and self._peek is not None:
             self._vote_next(step, batch_idx, last, stop)
         return output
+
+    def _vote_next_sent(
+        self, pipeline: SparseDistPipeline, step: int, batch_idx: int, last: bool, stop: bool
+    ) -> None:
+        # The batches the next step's progress() sends early, read and checked now.
+        ahead = [] if last else pipeline.ahead(batch_idx + 1)
+        error = self.guard.verdict_of(None, step + 1, ahead) if ahead else None
+        self.collective(self.guard.vote_ahead, error, batch_idx, last, stop)
+        self._covered = None if last else batch_idx + 1
 
     def _vote_next(self, step: int, batch_idx: int, last: bool, stop: bool) -> None:
         assert self._peek is not None
