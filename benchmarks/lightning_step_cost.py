@@ -5,20 +5,23 @@ in the same processes, each round starting one variant later (A B C, B C A, C A 
 
 * ``raw_base``: the hand-written TorchRec loop (``benchmarks.harness.RawLoop``);
 * ``trainer_defaults``: Lightning's defaults (progress bar, logger, checkpointing) and the
-  strategy's (batch checks, loss guard, ``pipeline="auto"``);
+  strategy's (batch checks, loss guard, ``pipeline="auto"``: ``"sparse_dist"`` on 2 CPU ranks);
 * ``trainer_parity``: the strategy's defaults, Lightning's extras off;
 * ``trainer_parity, vote before forward``: the same with ``vote_ahead=False`` (the step's vote
-  waited for before each forward, instead of running during the backward);
+  waited for before each forward, instead of running during the step before); the ablations
+  below name the pipeline the defaults resolve to, since ``"auto"`` depends on the vote;
 * ``- checks``: ``validate_batches=False``, ``on_nonfinite_loss="ignore"`` (the strategy's
   per-step vote is then skipped);
 * ``- vote``: also without the per-step vote, which the strategy keeps when its checks are off
   to carry Lightning's SIGTERM flag (it takes over Lightning's ``_broadcast_sigterm_tensor``:
-  one ``broadcast`` and one ``.item()`` per step); patched out here only, to measure it;
+  one ``broadcast`` and one ``.item()`` per step); patched out here only, to measure it
+  (``vote_ahead=False`` and no flag to carry: no vote at all);
 * ``- log``: also without the module's ``self.log("train/loss")`` (Lightning's result
   collection per logged value).
 
 What remains after the last is Lightning's loop itself (hooks, closures, the optimizer wrapper)
-and the strategy's output key order. Ratios: step time / ``raw_base``'s.
+and the pipeline's own work. ``raw_sparse_dist`` is TorchRec's sparse-dist loop written by hand,
+the fastest synchronous raw loop on 2 CPU ranks. Ratios: step time / ``raw_base``'s.
 
 Run: ``python -m benchmarks.lightning_step_cost [--size tiny|demo|benchmark] [--rounds 5]``.
 """
@@ -49,7 +52,10 @@ VARIANTS = [
     "trainer_parity - checks - vote",
     "trainer_parity - checks - vote - log",
     "raw_base",
+    "raw_sparse_dist",
 ]
+#: The pipeline ``"auto"`` resolves to on 2 CPU ranks whose steps vote ahead.
+RESOLVED = "sparse_dist"
 
 
 @contextlib.contextmanager
@@ -73,11 +79,13 @@ def run_variant(variant: str, size: Any, data: Any, steps: int, warmup: int) -> 
     from lightning_torchrec.training.step_guard import StepGuard
 
     setup = Setup()
-    if variant == "raw_base":
-        return raw_run(size, data, steps, False, setup, warmup).times[warmup:]
-    extra = NO_CHECKS if "- checks" in variant else {}
-    if "vote before forward" in variant:
-        extra = {"vote_ahead": False}
+    if variant.startswith("raw_"):
+        kind = "sparse_dist" if variant == "raw_sparse_dist" else False
+        return raw_run(size, data, steps, kind, setup, warmup).times[warmup:]
+    extra: dict[str, Any] = NO_CHECKS if "- checks" in variant else {}
+    if "vote before forward" in variant or "- vote" in variant:
+        extra = extra | {"vote_ahead": False}
+    pipeline = "default" if variant in ("trainer_defaults", "trainer_parity") else RESOLVED
     with contextlib.ExitStack() as stack:
         if "- vote" in variant:  # never True, and assignments ignored: no flag, no vote
             never = property(lambda self: False, lambda self, value: None)
@@ -90,7 +98,7 @@ def run_variant(variant: str, size: Any, data: Any, steps: int, warmup: int) -> 
             size,
             data,
             steps,
-            "default",
+            pipeline,
             setup,
             warmup,
             lightning_defaults=variant == "trainer_defaults",

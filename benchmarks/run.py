@@ -124,15 +124,20 @@ def step_cost_table(out: Path) -> list[str]:
         f"{_size(r['size'])}; {r['rounds']} interleaved rounds, each starting one variant "
         "later; step = median over rounds of each round's median (IQR over rounds). Each `-` row "
         "removes one more piece; `- vote` patches out the per-step vote that carries Lightning's "
-        "SIGTERM flag (in the benchmark only); `vote before forward` is `vote_ahead=False`. "
-        "`python -m benchmarks.lightning_step_cost`.",
+        "SIGTERM flag (in the benchmark only); `vote before forward` is `vote_ahead=False`; "
+        'the Trainer\'s rows at defaults and parity resolve `pipeline="auto"` (sparse-dist '
+        "on 2 CPU ranks), the others name that pipeline. Ratios to the raw base loop and to "
+        "the best synchronous raw loop. `python -m benchmarks.lightning_step_cost`.",
         "",
-        "| variant | step | ratio to raw | extra per step |",
-        "|---|---|---|---|",
+        "| variant | step | ratio to raw base | ratio to best synchronous raw | extra per step |",
+        "|---|---|---|---|---|",
     ]
+    sync = [v["round_median_step_s"]["median"] for k, v in r["variants"].items() if k in SYNC_RAW]
     for variant, v in r["variants"].items():
+        step = v["round_median_step_s"]
+        to_sync = f"{step['median'] / min(sync):.3f}" if sync else ""
         lines.append(
-            f"| {variant} | {_ms(v['round_median_step_s'])} | {v['ratio_to_raw_base']:.3f} | "
+            f"| {variant} | {_ms(step)} | {v['ratio_to_raw_base']:.3f} | {to_sync} | "
             f"{v['extra_ms_per_step']:+.2f} ms |"
         )
     return [*lines, ""]

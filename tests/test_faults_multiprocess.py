@@ -34,20 +34,32 @@ def phases(preempted: tuple[Path, Any]) -> Path:
     return out
 
 
-def test_bad_batch_on_rank1_stops_both_ranks_before_the_step(phases: Path) -> None:
-    r0, r1 = load_ranks(phases, "bad_id")
+@pytest.mark.parametrize(
+    ("phase", "where", "stopped_at"),
+    [
+        # The default on 2 CPU ranks, pipelined: batch 2 travels during step 1, so it is checked
+        # during step 0 (the vote ahead) and refused after it.
+        ("bad_id", "batch 2 of the epoch (checked at step 1, before the train pipeline", 1),
+        # Unpipelined: checked during step 1, refused after it.
+        ("bad_id_plain", "rank 1, step 2", 2),
+    ],
+)
+def test_bad_batch_on_rank1_stops_both_ranks_before_the_step(
+    phases: Path, phase: str, where: str, stopped_at: int
+) -> None:
+    r0, r1 = load_ranks(phases, phase)
     assert r0["error"] == r1["error"] == "BatchValidationError"
     for msg in (r0["message"], r1["message"]):
-        assert "rank 1, step 2" in msg and "'cat_0'" in msg and "'t_cat_0'" in msg
-        assert "id 27" in msg and "num_embeddings=20" in msg
+        assert where in msg and "'cat_0'" in msg and "'t_cat_0'" in msg
+        assert "rank 1, " in msg and "id 27" in msg and "num_embeddings=20" in msg
     assert "another rank failed" in r0["message"]
-    assert r0["global_step"] == r1["global_step"] == 2  # step 2 never ran
-    # Found during step 1 (its vote ran ahead), decided after step 1's checkpoint was written:
-    # the last good state is saved (save_top_k=1 kept only it).
-    ckpts = sorted(p.name for p in (phases / "bad_id_ckpts").iterdir())
-    assert ckpts == ["epoch=0-step=2.ckpt"] and is_sharded_checkpoint(
-        phases / "bad_id_ckpts" / ckpts[0]
-    )
+    assert r0["global_step"] == r1["global_step"] == stopped_at  # the bad batch never ran
+    # Decided after the last good step's checkpoint was written: that state is saved
+    # (save_top_k=1 kept only it).
+    folder = phases / f"{phase}_ckpts"
+    ckpts = sorted(p.name for p in folder.iterdir())
+    assert ckpts == [f"epoch=0-step={stopped_at}.ckpt"]
+    assert is_sharded_checkpoint(folder / ckpts[0])
 
 
 def test_nan_loss_on_rank1_raises_on_both_ranks_naming_step_and_rank(phases: Path) -> None:

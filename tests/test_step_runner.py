@@ -32,9 +32,11 @@ def test_pipeline_options_are_parsed_once_with_their_defaults() -> None:
         PipelineConfig.parse("auto", {"start_batch": 1})
 
 
-def test_auto_is_sparse_dist_on_cuda_and_none_on_cpu(caplog: pytest.LogCaptureFixture) -> None:
+def test_auto_is_sparse_dist_where_it_is_faster(caplog: pytest.LogCaptureFixture) -> None:
     auto = PipelineConfig.parse("auto", None)
-    assert resolve_pipeline(auto, torch.device("cpu"), None) is None
+    assert resolve_pipeline(auto, torch.device("cpu"), None) is None  # one rank, or voting now
+    assert resolve_pipeline(auto, torch.device("cpu"), None, ahead=True) == "sparse_dist"
+    assert resolve_pipeline(auto, torch.device("cpu"), "gradient accumulation", True) is None
     assert resolve_pipeline(auto, torch.device("cuda", 0), None) == "sparse_dist"
     with caplog.at_level(logging.INFO, logger="lightning_torchrec.training.pipelines"):
         assert resolve_pipeline(auto, torch.device("cuda", 0), "gradient accumulation") is None

@@ -3,8 +3,7 @@
 The strategy extends Lightning's templates at their seams: ``Strategy.setup`` (the model is
 sharded in ``_setup_model``, never moved by ``model_to_device``), ``post_backward`` (semi-sync's
 table update), ``_configure_launcher`` (fork/spawn bring results back without weights) and
-``teardown`` (the sharded model stays in place). Each step is run by one
-:class:`~lightning_torchrec.training.step_runner.StepRunner`, built complete at setup.
+``teardown`` (the sharded model stays in place); a ``StepRunner`` runs each step.
 """
 
 from __future__ import annotations
@@ -116,8 +115,8 @@ class TorchRecStrategy(
             values), in the batch check's collective; ``"ignore"``.
         check_finite_checkpoints: refuse to save a checkpoint holding NaN/inf weights or
             optimizer state.
-        pipeline: ``"auto"`` (the default): ``"sparse_dist"`` on CUDA, where it is faster,
-            and no pipeline on CPU, where it is not (see ``docs/benchmarks.md``); a model
+        pipeline: ``"auto"`` (the default): ``"sparse_dist"`` where it is faster (CUDA; CPU
+            ranks whose steps vote ahead), else none (``docs/benchmarks.md``); a model
             TorchRec cannot pipeline, or a fit with gradient accumulation, then trains without
             one (an INFO line says why). ``"sparse_dist"``: TorchRec's
             ``TrainPipelineSparseDist`` (the next batch's copy and sparse input all-to-all
@@ -321,7 +320,8 @@ class TorchRecStrategy(
         self._dmp, self._plan, self.plan_summary = sharded.dmp, sharded.plan, sharded.summary
         if first and self.log_plan and self.is_global_zero:
             log_plan(sharded.summary, trainer.loggers)
-        pipeline = pipeline_for(self.pipeline_config, self.root_device, trainer, fitting)
+        ahead = fitting and votes_ahead(self.vote_ahead, self.world_size, trainer)
+        pipeline = pipeline_for(self.pipeline_config, self.root_device, trainer, fitting, ahead)
         if fitting and has_fused_tables(sharded.plan):
             check_fused_precision(self.precision_plugin)
             check_fused_training(trainer, self.allow_fused_gradient_accumulation)
@@ -339,7 +339,7 @@ class TorchRecStrategy(
             timeout=self._timeouts(),
             group=self._host_group,
             batch_checks=self.batch_checks,
-            vote_ahead=fitting and votes_ahead(self.vote_ahead, self.world_size, trainer),
+            vote_ahead=ahead,
         )
         if fitting:
             self._runner.start_fit()

@@ -96,7 +96,7 @@ def check_pipeline_training(trainer: Any) -> None:
 
 
 def pipeline_for(
-    config: PipelineConfig, device: torch.device, trainer: Any, fitting: bool
+    config: PipelineConfig, device: torch.device, trainer: Any, fitting: bool, ahead: bool = False
 ) -> str | None:
     """The pipeline a run trains with: ``"auto"`` resolved for the device and the Trainer.
 
@@ -105,6 +105,7 @@ def pipeline_for(
         device: the rank's device.
         trainer: the Trainer (its gradient accumulation rules a pipeline out under ``"auto"``).
         fitting: whether the run is a ``fit``.
+        ahead: whether the fit's steps vote ahead (see :func:`resolve_pipeline`).
 
     Returns:
         ``"sparse_dist"``, ``"semi_sync"`` or None.
@@ -115,7 +116,7 @@ def pipeline_for(
     if config.kind == "auto":
         accumulating = fitting and trainer.accumulate_grad_batches > 1
         why = "gradient accumulation needs the unpipelined step" if accumulating else None
-        return resolve_pipeline(config, device, why)
+        return resolve_pipeline(config, device, why, ahead)
     if fitting and config.kind is not None:
         check_pipeline_training(trainer)
     return config.kind

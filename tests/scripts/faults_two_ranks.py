@@ -184,7 +184,9 @@ def main() -> None:
         if (OUT / "preempted.ckpt").exists():  # left by a ``preempt`` launch into OUT
             run("resume", "", at=-1, max_steps=8, ckpt_path=OUT / "preempted.ckpt")
         every_step = ModelCheckpoint(dirpath=OUT / "bad_id_ckpts", every_n_train_steps=1)
-        run("bad_id", "bad_id", at=2, extra=[every_step])
+        run("bad_id", "bad_id", at=2, extra=[every_step])  # the default: pipelined
+        every_step = ModelCheckpoint(dirpath=OUT / "bad_id_plain_ckpts", every_n_train_steps=1)
+        run("bad_id_plain", "bad_id", at=2, extra=[every_step], pipeline=None)
         run("nan_raise", "nan_loss", at=3)
         run("sigterm_flag", "sigterm_flag", at=3)
         ckpt = ModelCheckpoint(dirpath=OUT / "ckpts", every_n_train_steps=2, save_top_k=-1)
