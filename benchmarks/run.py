@@ -152,7 +152,8 @@ def vote_ahead_table(out: Path) -> list[str]:
     return [
         "## The step's vote ahead against the vote before each forward (CPU, 2 gloo ranks)",
         "",
-        f"{_size(r['size'])}; the Trainer at parity settings; {r['rounds']} rounds in ABBA "
+        f"{_size(r['size'])}; the Trainer at parity settings, "
+        f"{r.get('pipeline') or 'unpipelined'}; {r['rounds']} rounds in ABBA "
         "order (A B, B A, ...); step = median over rounds of each round's median (IQR over "
         "rounds). `python -m benchmarks.vote_ahead`.",
         "",

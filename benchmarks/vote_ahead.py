@@ -1,7 +1,9 @@
 """The step's vote ahead (the default) against the vote before each forward, in ABBA rounds.
 
 2 gloo ranks on CPU, the benchmark DLRM, the Trainer at parity settings (the strategy's defaults,
-Lightning's extras off). Variant A: ``vote_ahead=True`` (the vote on step ``t + 1`` starts after
+Lightning's extras off), both through the pipeline ``"auto"`` resolves to with the vote ahead
+(``sparse_dist`` on 2 CPU ranks; the committed result predates that and compares unpipelined
+steps). Variant A: ``vote_ahead=True`` (the vote on step ``t + 1`` starts after
 step ``t``'s forward and is decided after its update); B: ``vote_ahead=False`` (the vote waited
 for before each forward). Rounds alternate the order (A B, B A, ...), so neither variant always
 runs after the other; the figure is the median over rounds of A's minus B's median step, with
@@ -23,7 +25,7 @@ import torch.distributed as dist
 
 from benchmarks.common import RESULTS, stats, write_result
 from benchmarks.harness import SEED, dataset, versions
-from benchmarks.lightning_step_cost import run_variant
+from benchmarks.lightning_step_cost import RESOLVED, run_variant
 from benchmarks.pipeline_throughput import SIZES
 
 AHEAD, BEFORE = "trainer_parity", "trainer_parity, vote before forward"
@@ -57,6 +59,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         "size": size.to_dict(),
         "world_size": 2,
         "rounds": args.rounds,
+        "pipeline": RESOLVED,
         "steps_per_run": args.steps,
         "warmup": args.warmup,
         "versions": versions(),
