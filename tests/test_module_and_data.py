@@ -195,25 +195,22 @@ class _LossSeen(Callback):
 
 @pytest.mark.parametrize("case", ["cadence", "monitored", "every_step"])
 def test_train_loss_is_logged_when_something_reads_it(case: str, tmp_path: Path) -> None:
-    import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
 
-    from lightning_torchrec import TorchRecStrategy
-    from tests.scripts.factory import QUIET, table_wise, tiny_data, tiny_dlrm
+    from tests.scripts.factory import cpu_trainer, tiny_data, tiny_dlrm
 
     seen = _LossSeen()
     callbacks: list[Callback] = [seen]
     if case == "monitored":  # a monitor may read it at any step
         callbacks.append(ModelCheckpoint(tmp_path / "ckpt", monitor="train/loss", save_top_k=1))
-    trainer = L.Trainer(
-        strategy=TorchRecStrategy(constraints=table_wise(2), log_plan=False),
-        devices=1,
+    trainer = cpu_trainer(
         max_steps=7,
         log_every_n_steps=3,
         limit_val_batches=0,
         callbacks=callbacks,
-        **(QUIET | {"logger": CSVLogger(tmp_path), "enable_checkpointing": case == "monitored"}),
+        logger=CSVLogger(tmp_path),
+        enable_checkpointing=case == "monitored",
     )
     every = 1 if case == "every_step" else None
     trainer.fit(tiny_dlrm(train_loss_every_n_steps=every), datamodule=tiny_data())
@@ -253,10 +250,8 @@ def test_a_loss_off_the_cpu_is_not_logged_every_step_for_a_progress_bar() -> Non
 
 
 def test_a_plateau_scheduler_on_train_loss_gets_it_at_every_step() -> None:
-    import lightning as L
-
-    from lightning_torchrec import DLRMClickModule, TorchRecStrategy
-    from tests.scripts.factory import QUIET, table_wise, tiny_data, tiny_dlrm
+    from lightning_torchrec import DLRMClickModule
+    from tests.scripts.factory import cpu_trainer, tiny_data, tiny_dlrm
 
     class Plateau(DLRMClickModule):
         def configure_optimizers(self) -> Any:
@@ -265,14 +260,7 @@ def test_a_plateau_scheduler_on_train_loss_gets_it_at_every_step() -> None:
             config = {"scheduler": scheduler, "interval": "step", "monitor": "train/loss"}
             return {"optimizer": optimizer, "lr_scheduler": config}
 
-    trainer = L.Trainer(
-        strategy=TorchRecStrategy(constraints=table_wise(2), log_plan=False),
-        devices=1,
-        max_steps=4,
-        log_every_n_steps=50,
-        limit_val_batches=0,
-        **QUIET,
-    )
+    trainer = cpu_trainer(max_steps=4, log_every_n_steps=50, limit_val_batches=0)
     # Lightning reads the monitored value after every step (and refuses a step without it).
     trainer.fit(tiny_dlrm(cls=Plateau), datamodule=tiny_data())
     assert trainer.global_step == 4

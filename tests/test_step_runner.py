@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import weakref
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -62,17 +63,18 @@ class Item:
         self.n = n
 
 
+def tracked(count: int, refs: list[weakref.ref]) -> Iterator[Item]:
+    """A loader's iterator: it keeps nothing it has given out; ``refs`` sees every item."""
+    for n in range(count):
+        item = Item(n)
+        refs.append(weakref.ref(item))
+        yield item
+        del item
+
+
 def test_peek_reads_the_next_batch_and_holds_nothing_the_consumer_has_passed() -> None:
     refs: list[weakref.ref] = []
-
-    def items():  # a loader's iterator: it keeps nothing it has given out
-        for n in range(6):
-            item = Item(n)
-            refs.append(weakref.ref(item))
-            yield item
-            del item
-
-    consumer, reader = Split(items()).sides()
+    consumer, reader = Split(tracked(6, refs)).sides()
     peek = Peek(reader)
     seen = []
     for batch_idx, batch in enumerate(consumer):
@@ -97,15 +99,7 @@ def test_split_gives_each_side_every_item_once_in_order() -> None:
 
 def test_a_dropped_side_holds_nothing_while_the_other_reads_on() -> None:
     refs: list[weakref.ref] = []
-
-    def items():
-        for n in range(50):
-            item = Item(n)
-            refs.append(weakref.ref(item))
-            yield item
-            del item
-
-    consumer, reader = Split(items()).sides()
+    consumer, reader = Split(tracked(50, refs)).sides()
     peek = Peek(reader)
     assert peek.after(0)[1].n == 1 and next(consumer).n == 0
     # The reader is given up (a pipeline TorchRec cannot trace, the vote ahead switched off):
