@@ -2,12 +2,11 @@
 
 2 gloo ranks on CPU, the benchmark DLRM, the Trainer at parity settings (the strategy's defaults,
 Lightning's extras off), both through the pipeline ``"auto"`` resolves to with the vote ahead
-(``sparse_dist`` on 2 CPU ranks; the committed result predates that and compares unpipelined
-steps). Variant A: ``vote_ahead=True`` (the vote on step ``t + 1`` starts after
-step ``t``'s forward and is decided after its update); B: ``vote_ahead=False`` (the vote waited
-for before each forward). Rounds alternate the order (A B, B A, ...), so neither variant always
-runs after the other; the figure is the median over rounds of A's minus B's median step, with
-the number of rounds in which A was faster.
+(``sparse_dist`` on 2 CPU ranks). Variant A: ``vote_ahead=True`` (the vote on step ``t + 1``
+starts after step ``t``'s forward and is decided after its update); B: ``vote_ahead=False``
+(the vote waited for before each forward). Rounds alternate the order (A B, B A, ...), so
+neither variant always runs after the other; the figure is the median over rounds of A's minus
+B's median step, with the number of rounds in which A was faster.
 
 Run: ``python -m benchmarks.vote_ahead [--rounds 10] [--size benchmark]``.
 """
