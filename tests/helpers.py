@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -122,15 +124,33 @@ def serve_bare(tmp: Path, inputs: dict, artifacts: list[Path]) -> dict:
 def run_script(
     name: str, *args: str, timeout: float = 300, **env: str
 ) -> subprocess.CompletedProcess:
-    """Runs ``tests/scripts/{name}`` (Lightning relaunches it per rank); fails with its output."""
-    proc = subprocess.run(
+    """Runs ``tests/scripts/{name}`` (Lightning relaunches it per rank); fails with its output.
+
+    The script runs in a session of its own: at the timeout every process of it is killed, a
+    stuck DataLoader worker too (which would otherwise hold the output pipes open forever).
+    """
+    with subprocess.Popen(
         [sys.executable, str(SCRIPTS / name), *args],
         cwd=ROOT,
         env=clean_env(**env),
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
-    )
+        start_new_session=True,
+    ) as popen:
+        try:
+            stdout, stderr = popen.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(popen.pid, signal.SIGKILL)
+            stdout, stderr = popen.communicate()
+            raise AssertionError(
+                f"{name} did not finish within {timeout} s\n--- stdout ---\n{stdout[-4000:]}"
+                f"\n--- stderr ---\n{stderr[-8000:]}"
+            ) from None
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(popen.pid, signal.SIGKILL)  # nothing of the script outlives it
+    proc = subprocess.CompletedProcess(popen.args, popen.returncode, stdout, stderr)
     if proc.returncode != 0:
         raise AssertionError(
             f"{name} exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}"

@@ -29,11 +29,7 @@ from lightning_torchrec.sharding.tables import FeatureSpec
 from lightning_torchrec.training.batch_checks import check_batch
 from lightning_torchrec.training.device_checks import DeferredVerdict
 from lightning_torchrec.training.uneven_data import check_even
-from lightning_torchrec.training.worker_checks import (
-    UNCHECKED,
-    VERDICT_ATTRIBUTE,
-    worker_verdict,
-)
+from lightning_torchrec.training.worker_checks import UNCHECKED, VERDICT_ATTRIBUTE, worker_verdict
 
 
 def _loss_of(output: Any) -> torch.Tensor | None:
@@ -92,6 +88,7 @@ class StepGuard:
         self._host_loss: torch.Tensor | None = None
         self._copied: Any = None
         self._ahead: tuple[Callable[[], list[list[int]]], int] | None = None
+        self._decided: Any = None
 
     def _checks(self, index: int) -> bool:
         return self.validate_batches is True or index < self.validate_batches
@@ -350,7 +347,9 @@ class StepGuard:
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return None
-        decide, batch_idx = ahead
+        # Held until the next vote: gloo's thread then never frees the vote's tensors itself, which
+        # would take CPython's thread lock that a fork may copy locked (cpython#112275).
+        decide, batch_idx = self._decided = ahead
         last, stopping = decide()
         check_even(last, "training", batch_idx)
         return stopping
