@@ -61,6 +61,12 @@ def _size(size: dict[str, int]) -> str:
     )
 
 
+def _to_best_synchronous(step: dict[str, float], steps: dict[str, dict[str, float]]) -> str:
+    """``step``'s median over the fastest synchronous raw loop's, as table text ("" if none)."""
+    sync = [steps[k]["median"] for k in SYNC_RAW if k in steps]
+    return f"{step['median'] / min(sync):.3f}" if sync else ""
+
+
 def pipeline_table(out: Path) -> list[str]:
     """The train-pipeline section of the report (empty without its result file)."""
     r = _load(out, "pipeline_throughput")
@@ -87,22 +93,20 @@ def pipeline_table(out: Path) -> list[str]:
         "|---|---|---|---|---|---|---|",
     ]
     for name, sized in r["sizes"].items():
-        sync = [
-            sized[k].get("round_median_step_s", sized[k]["step_s"])["median"]
-            for k in SYNC_RAW
-            if isinstance(sized.get(k), dict)
-        ]
-        for variant, v in sized.items():
-            if isinstance(v, dict) and "samples_per_s" in v:
-                step = v.get("round_median_step_s", v["step_s"])
-                ratio = v.get("ratio_to_best_raw", v.get("ratio_to_raw_base", 0.0))
-                to_sync = f"{step['median'] / min(sync):.3f}" if sync else ""
-                frac = v.get("memory_bandwidth_fraction")
-                lines.append(
-                    f"| {name}: {_size(sized['size'])} | {variant} | {_ms(step)} | "
-                    f"{v['samples_per_s']:,.0f} | {ratio:.3f} | {to_sync} | "
-                    f"{'' if frac is None else f'{100 * frac:.1f}%'} |"
-                )
+        steps = {
+            k: v.get("round_median_step_s", v["step_s"])
+            for k, v in sized.items()
+            if isinstance(v, dict) and "samples_per_s" in v
+        }
+        for variant, step in steps.items():
+            v = sized[variant]
+            ratio = v.get("ratio_to_best_raw", v.get("ratio_to_raw_base", 0.0))
+            frac = v.get("memory_bandwidth_fraction")
+            lines.append(
+                f"| {name}: {_size(sized['size'])} | {variant} | {_ms(step)} | "
+                f"{v['samples_per_s']:,.0f} | {ratio:.3f} | {_to_best_synchronous(step, steps)} | "
+                f"{'' if frac is None else f'{100 * frac:.1f}%'} |"
+            )
         limit = sized.get("physical_limit")
         if limit:
             lines.append(
@@ -132,12 +136,12 @@ def step_cost_table(out: Path) -> list[str]:
         "| variant | step | ratio to raw base | ratio to best synchronous raw | extra per step |",
         "|---|---|---|---|---|",
     ]
-    sync = [v["round_median_step_s"]["median"] for k, v in r["variants"].items() if k in SYNC_RAW]
+    steps = {k: v["round_median_step_s"] for k, v in r["variants"].items()}
     for variant, v in r["variants"].items():
-        step = v["round_median_step_s"]
-        to_sync = f"{step['median'] / min(sync):.3f}" if sync else ""
+        step = steps[variant]
         lines.append(
-            f"| {variant} | {_ms(step)} | {v['ratio_to_raw_base']:.3f} | {to_sync} | "
+            f"| {variant} | {_ms(step)} | {v['ratio_to_raw_base']:.3f} | "
+            f"{_to_best_synchronous(step, steps)} | "
             f"{v['extra_ms_per_step']:+.2f} ms |"
         )
     return [*lines, ""]

@@ -58,13 +58,13 @@ class TensorFields(Pipelineable):
             ``Tensor.to`` does: no new objects, and a KeyedJaggedTensor keeps its cached
             offsets).
         """
-        target = torch.device(device)
-        if all(v is None or _device(v) == target for v in self._fields().values()):
+        target, fields = torch.device(device), self._fields()
+        if all(v is None or _device(v) == target for v in fields.values()):
             return self
         if non_blocking is None:
-            labels = self._fields()["labels"]
+            labels = fields["labels"]
             assert isinstance(labels, torch.Tensor)
-            non_blocking = host_to_accelerator(labels.device, torch.device(device))
+            non_blocking = host_to_accelerator(labels.device, target)
         return self._map(lambda t: t.to(device=device, non_blocking=non_blocking))  # type: ignore[attr-defined]
 
     def record_stream(self, stream: torch.Stream) -> None:
