@@ -49,15 +49,18 @@ class _PlanOrderedKeyedTensor(KeyedTensor):
     """
 
     def __init__(
-        self, keys: list[str], source: KeyedTensor, permute: PermutePooledEmbeddings
+        self,
+        keys: list[str],
+        lengths: list[int],
+        source: KeyedTensor,
+        permute: PermutePooledEmbeddings,
     ) -> None:
         self._source = source
         self._permute = permute
         self._ordered: torch.Tensor | None = None
-        lengths = dict(zip(source.keys(), source.length_per_key(), strict=True))
         super().__init__(
             keys=keys,
-            length_per_key=[lengths[k] for k in keys],
+            length_per_key=lengths,
             values=None,  # type: ignore[arg-type]  # made on first read
             key_dim=source.key_dim(),
         )
@@ -108,7 +111,10 @@ class KeyedTensorOrder:
 
     def __init__(self, keys: list[str]) -> None:
         self.keys = list(keys)
-        self._permute: dict[tuple[tuple[str, ...], torch.device], PermutePooledEmbeddings] = {}
+        # Per (source keys, device): the permutation and the lengths in the target order.
+        self._permute: dict[
+            tuple[tuple[str, ...], torch.device], tuple[PermutePooledEmbeddings, list[int]]
+        ] = {}
 
     def __call__(self, kt: KeyedTensor) -> KeyedTensor:
         """Returns ``kt`` with its keys in the target order.
@@ -125,16 +131,17 @@ class KeyedTensorOrder:
             return kt
         device = kt.device()
         cache_key = (tuple(keys), device)
-        permute = self._permute.get(cache_key)
-        if permute is None:
+        cached = self._permute.get(cache_key)
+        if cached is None:
             # fbgemm's pooled-embedding permutation (what TorchRec's own output dists use): one
             # block copy per key, with its own backward.
             position = {k: i for i, k in enumerate(keys)}
-            permute = PermutePooledEmbeddings(
-                kt.length_per_key(), [position[k] for k in self.keys], device
-            )
-            self._permute[cache_key] = permute
-        return _PlanOrderedKeyedTensor(self.keys, kt, permute)
+            order = [position[k] for k in self.keys]
+            lengths = kt.length_per_key()
+            permute = PermutePooledEmbeddings(lengths, order, device)
+            cached = self._permute[cache_key] = (permute, [lengths[i] for i in order])
+        permute, lengths = cached
+        return _PlanOrderedKeyedTensor(self.keys, list(lengths), kt, permute)
 
 
 class DictOrder:
