@@ -104,6 +104,7 @@ class FakeWorld:
         self.peer_report: tuple[type[BaseException], str] | None = None
         self.from_rank0: Any = None
         self.all_reduces = self.gathers = self.started = self.waited = 0
+        self.groups: list[Any] = []  # the group of each all_reduce, in order
         monkeypatch.setattr(dist, "is_initialized", lambda: True)
         monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
         monkeypatch.setattr(dist, "get_rank", lambda group=None: self.rank)
@@ -114,6 +115,7 @@ class FakeWorld:
 
     def all_reduce(self, votes: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         self.all_reduces += 1
+        self.groups.append(kwargs.get("group"))
         assert votes.shape == (len(self.peer_votes), 2) and votes.dtype == torch.int32
         peer = torch.tensor(self.peer_votes, dtype=torch.int32)
         if not kwargs.get("async_op"):

@@ -6,6 +6,8 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch import nn
 from torchrec.distributed.types import ShardingPlan
 
 from lightning_torchrec import DLRMClickModule, TorchRecStrategy
@@ -13,6 +15,7 @@ from lightning_torchrec.distributed import peer_failure
 from lightning_torchrec.errors import NonFiniteLossError, UnevenDataError
 from lightning_torchrec.lightning.preemption import PreemptionCheckpoint
 from lightning_torchrec.training.step_guard import StepGuard, nonfinite_tensors
+from lightning_torchrec.training.step_runner import StepRunner
 from tests.scripts.factory import cpu_trainer, tiny_data, tiny_dlrm
 from tests.test_distributed import FakeWorld
 
@@ -89,6 +92,36 @@ def test_a_collective_failing_in_the_backward_is_explained() -> None:
     trainer = cpu_trainer("torchrec", max_steps=1, limit_val_batches=0)
     with pytest.raises(PeerFailureError, match="another rank probably died.*Connection closed"):
         trainer.fit(model, datamodule=data)
+
+
+def test_votes_ahead_of_cpu_ranks_run_on_the_default_group_the_others_on_the_host_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    world = FakeWorld(monkeypatch)  # a gloo default group
+    host = object()  # the strategy's gloo group with the short `peer_timeout`
+    runner = StepRunner(
+        nn.Linear(1, 1), torch.device("cpu"), specs={}, dense_width=None, group=host
+    )
+    guard = runner.guard
+    guard.carries_stop = True
+    world.peer_votes = [False, False, False, False]
+    guard.before_training_step(None, 0, 0, last=False)  # the first step votes before its forward
+    guard.vote_ahead(None, batch_idx=0, last=False)  # decided after the step: no peer holds it
+    guard.decide_ahead()
+    world.peer_votes = [False, False]
+    guard.before_eval_step(None, "validation", 0, last=False)
+    assert world.groups == [host, None, host]
+    # Where the default group is NCCL (GPUs), every vote stays on the host group.
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    guard = StepRunner(
+        nn.Linear(1, 1), torch.device("cpu"), specs={}, dense_width=None, group=host
+    ).guard
+    world.peer_votes, world.groups = [False, False, False, False], []
+    guard.vote_ahead(None, batch_idx=0, last=False)
+    guard.decide_ahead()
+    assert world.groups == [host]
 
 
 def test_the_vote_ahead_runs_during_the_step_and_is_decided_before_any_other_vote(

@@ -96,11 +96,11 @@ class TorchRecStrategy(
         process_group_backend: ``"gloo"``/``"nccl"``; defaults to the device's.
         timeout: collective timeout.
         peer_timeout: how long a rank waits for the others at a step's vote (the one small
-            collective of every step, on a gloo group of its own) before it raises
-            ``PeerFailureError``: a rank that died or hangs stops the others within this time
-            instead of ``timeout``, so torchrun's ``--max-restarts`` restarts the job promptly
-            (see ``vote_ahead``). Longer than any rank's work between two steps. None: the votes
-            run on the default group, under ``timeout``.
+            collective of every step, on a gloo group of its own, but for the votes ahead of
+            CPU ranks) before it raises ``PeerFailureError``: a rank that died or hangs stops
+            the others within this time instead of ``timeout``, so torchrun restarts the job
+            promptly (see ``vote_ahead``). Longer than any rank's work between two steps.
+            None: the votes run on the default group, under ``timeout``.
         start_method: ``"popen"`` (scripts), ``"spawn"`` or ``"fork"`` (notebooks).
         validate_batches: check each batch against the tables before the forward (ids in
             range, known keys, lengths, dtypes, finite dense features; see

@@ -60,6 +60,7 @@ class StepGuard:
         deferred: check a training batch that no worker checked on its device and judge it at
             the next step (:mod:`~lightning_torchrec.training.device_checks`), instead of
             reading its ids on the host before the forward.
+        ahead_on_default: run the votes ahead (:meth:`vote_ahead`) on the default gloo group.
     """
 
     def __init__(
@@ -72,6 +73,7 @@ class StepGuard:
         group: Any = None,
         token: str | None = None,
         deferred: bool = False,
+        ahead_on_default: bool = False,
     ) -> None:
         #: Whether the training step's vote runs every step to carry a stop request (see
         #: :meth:`before_training_step`); set by a front end that stops on a signal.
@@ -82,6 +84,7 @@ class StepGuard:
         self.specs: Mapping[str, FeatureSpec] = specs or {}
         self.dense_width = dense_width
         self.group = group
+        self._ahead_on = (None, torch.device("cpu")) if ahead_on_default else (group, device)
         self.token = token
         self.deferred = DeferredVerdict(self.specs, dense_width) if deferred else None
         self._pending: tuple[int, torch.Tensor] | None = None
@@ -257,7 +260,6 @@ class StepGuard:
         loss = _loss_of(output)
         value = loss.detach().reshape(-1)[:1].float() if loss is not None else torch.zeros(1)
         if value.is_cuda:
-            # Copied to pinned host memory without waiting; read at the next check, long after.
             if self._host_loss is None:
                 self._host_loss = torch.empty(1, dtype=torch.float32, pin_memory=True)
             self._host_loss.copy_(value, non_blocking=True)
@@ -324,7 +326,8 @@ class StepGuard:
         self.decide_ahead()
         flags = [last, stop and self.carries_stop]
         error = self._loss_error()
-        decide = launch_agree(next_error, error, flags=flags, device=self.device, group=self.group)
+        group, device = self._ahead_on
+        decide = launch_agree(next_error, error, flags=flags, device=device, group=group)
         self._ahead = (decide, batch_idx)
 
     def _loss_error(self) -> NonFiniteLossError | None:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_torchrec.distributed import run_collective
+from lightning_torchrec.distributed import collective_device, run_collective
 from lightning_torchrec.errors import StopRequested
 from lightning_torchrec.sharding.tables import FeatureSpec
 from lightning_torchrec.training.pipeline_feed import Peek, PipelineFeed
@@ -54,7 +54,12 @@ class StepRunner:
         asked: whether the user named the pipeline (else it came from ``"auto"``).
         global_step: returns the number of finished training steps.
         timeout: the collective timeout (for messages).
-        group: the process group the votes run on (a gloo group keeps them on the host).
+        group: the process group the votes run on (a gloo group keeps them on the host). Where
+            the default group is a gloo one too, the votes ahead run on it instead: a rank
+            decides one after its backward, whose collectives each peer joins only after
+            starting its part, so a hung peer holds the others there (under ``timeout``), never
+            at that vote; on CPU ranks the default group runs them cheaper
+            (``docs/benchmarks.md``).
         batch_checks: when an unpipelined training batch that no DataLoader worker checked is
             checked: ``"before_forward"`` (its ids read on the host), ``"next_step"`` (on its
             device, judged at the next step's vote; see
@@ -102,6 +107,7 @@ class StepRunner:
             group=group,
             token=uuid.uuid4().hex,
             deferred=deferred,
+            ahead_on_default=group is not None and collective_device().type == "cpu",
         )
         self.training: SparseDistPipeline | None = None
         self.evaluation: SparseDistPipeline | None = None
