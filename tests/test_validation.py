@@ -12,7 +12,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_torchrec import Batch, DLRMClickModule, TorchRecStrategy
 from lightning_torchrec.errors import BatchValidationError
-from lightning_torchrec.sharding.tables import dense_width, feature_specs
+from lightning_torchrec.sharding.tables import FeatureSpec, dense_width, feature_specs
 from lightning_torchrec.training.batch_checks import validate_batch
 from tests.scripts.factory import cpu_trainer, table_wise, tiny_dlrm
 
@@ -85,6 +85,38 @@ def test_dense_labels_and_empty_batches() -> None:
         lengths=torch.tensor([], dtype=torch.int32),
     )
     assert "empty" in check(Batch(torch.zeros(0, 3), empty, torch.ones(0)))
+
+
+def test_features_sharing_a_row_count_are_checked_together_and_each_id_against_its_table() -> None:
+    rows = {"a": 10, "b": 10, "c": 5, "d": 10, "e": 10}
+    specs = {k: FeatureSpec(k, f"t_{k}", n) for k, n in rows.items()}
+
+    def kjt(values: list[int], lengths: list[int]) -> Batch:
+        sparse = KeyedJaggedTensor(list(rows), torch.tensor(values), lengths=torch.tensor(lengths))
+        return Batch(torch.zeros(2, 3), sparse, torch.ones(2))
+
+    # Two samples; c holds no id, so a, b, d and e form one run: each of its ids must be < 10.
+    good = kjt([9, 0, 9, 1, 9, 2, 0, 9], [1, 1, 1, 1, 0, 0, 1, 1, 1, 1])
+    validate_batch(good, specs, num_dense_features=3)
+    for at, feature in [(0, "a"), (3, "b"), (4, "d"), (7, "e")]:
+        values = [9, 0, 9, 1, 9, 2, 0, 9]
+        values[at] = 10
+        with pytest.raises(BatchValidationError, match=f"feature '{feature}'.*id 10"):
+            validate_batch(kjt(values, [1, 1, 1, 1, 0, 0, 1, 1, 1, 1]), specs, 3)
+    # With ids, c is its own run: 5 is fine for its neighbours, not for c.
+    validate_batch(kjt([9, 0, 9, 1, 4, 4, 9, 2, 0, 9], [1] * 10), specs, 3)
+    with pytest.raises(BatchValidationError, match="feature 'c'.*id 5 .*sample 1"):
+        validate_batch(kjt([9, 0, 9, 1, 4, 5, 9, 2, 0, 9], [1] * 10), specs, 3)
+
+
+def test_finite_values_whose_sum_overflows_pass_and_each_non_finite_one_is_named() -> None:
+    huge = torch.full((2, 3), 3e38)  # finite; their float32 sum is inf
+    validate_batch(batch(dense_features=huge, labels=torch.full((2,), 3e38)), SPECS, 3)
+    dense = huge.clone()
+    dense[0, 1] = float("-inf")
+    assert "dense_features[0, 1] is -inf" in check(batch(dense_features=dense))
+    assert "labels[1] is inf" in check(batch(labels=torch.tensor([1.0, float("inf")])))
+    assert "weights[0] is nan" in check(batch(weights=torch.tensor([float("nan"), 1.0])))
 
 
 class _Batches(Dataset):

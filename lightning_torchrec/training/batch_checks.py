@@ -15,10 +15,11 @@ Why: on CPU, TorchRec 1.8 and fbgemm train straight through most bad inputs.
 
 :func:`validate_batch` checks one batch against the tables of the *unsharded* model
 (:func:`~lightning_torchrec.sharding.tables.feature_specs`, built before sharding) with a handful of
-vectorised tensor operations (no Python loop over samples or ids): per id one comparison against
-its table's row count (``O(num_ids)``), one ``isfinite`` over the dense features and a few shape
-checks. Measured on one CPU core: 0.07 ms for 4 features x 256 samples (4k ids), 1.3 ms for 26
-features x 4096 samples (425k ids). :class:`~lightning_torchrec.TorchRecStrategy` runs it before
+vectorised tensor operations (no Python loop over samples or ids): one min/max pass over the ids
+of each run of features whose tables have the same row count (``O(num_ids)``), one sum over the
+dense features (read in full only when it is not finite) and a few shape checks. Measured on one
+CPU core, tables of one size: 0.1 ms for 4 features x 256 samples (4k ids), 0.26 ms for 26
+features x 4096 samples (426k ids). :class:`~lightning_torchrec.TorchRecStrategy` runs it before
 every training/validation forward (``validate_batches=True``; an integer ``N`` checks the first
 ``N`` steps only, ``False`` never) and makes the outcome collective with
 :func:`lightning_torchrec.distributed.agree` (one tiny ``all_reduce`` per checked step, shared with
@@ -77,7 +78,7 @@ def kjts_of(batch: Any) -> list[Any]:
     return [k for item in items for k in kjts_of(item)]
 
 
-def _check_kjt(kjt: Any, specs: dict[str, FeatureSpec]) -> None:
+def _check_kjt(kjt: Any, specs: Mapping[str, FeatureSpec]) -> None:
     keys = list(kjt.keys())
     values, lengths = kjt.values(), kjt.lengths()
     if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
@@ -104,25 +105,34 @@ def _check_kjt(kjt: Any, specs: dict[str, FeatureSpec]) -> None:
         )
     if not keys or values.numel() == 0:
         return
-    per_key = torch.tensor(kjt.length_per_key(), dtype=torch.int64)
-    # Fast path: the min and max of each key's ids (views, no copy), one sync for the verdict.
-    ends = torch.cumsum(per_key, 0).tolist()
-    starts = [0, *ends[:-1]]
-    present = [i for i in range(len(keys)) if ends[i] > starts[i]]
-    extremes = (
-        torch.stack([torch.stack(torch.aminmax(values[starts[i] : ends[i]])) for i in present])
-        if present
-        else torch.zeros(0, 2, dtype=values.dtype)
-    )
-    limits = torch.tensor([specs[keys[i]].num_embeddings for i in present], dtype=values.dtype)
-    if not bool(((extremes[:, 0] < 0) | (extremes[:, 1] >= limits.to(values.device))).any()):
+    counts = kjt.length_per_key()
+    # Fast path: the min and max of each run of keys whose tables have the same row count (one
+    # run when all do; views, no copy), one sync for the verdict.
+    runs = _runs(counts, [specs[k].num_embeddings for k in keys])
+    extremes = torch.stack([torch.stack(torch.aminmax(values[a:b])) for a, b, _ in runs])
+    pairs = zip(extremes.tolist(), runs, strict=True)
+    if all(lo >= 0 and hi < rows for (lo, hi), (*_, rows) in pairs):
         return
+    per_key = torch.tensor(counts, dtype=torch.int64)
     rows = torch.tensor([specs[k].num_embeddings for k in keys], dtype=values.dtype)
     bad = (values < 0) | (values >= torch.repeat_interleave(rows, per_key).to(values.device))
     pos = int(torch.nonzero(bad)[0])
     raise BatchValidationError(
         out_of_range_message(kjt, specs, pos, int(values[pos]), int(bad.sum()))
     )
+
+
+def _runs(per_key: list[int], rows: list[int]) -> list[tuple[int, int, int]]:
+    """``(start, end, rows)`` of each run of consecutive ids whose tables have ``rows`` rows."""
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for count, limit in zip(per_key, rows, strict=True):
+        if count and runs and runs[-1][1] == start and runs[-1][2] == limit:
+            runs[-1] = (runs[-1][0], start + count, limit)
+        elif count:
+            runs.append((start, start + count, limit))
+        start += count
+    return runs
 
 
 def out_of_range_message(
@@ -170,7 +180,8 @@ def _check_dense(dense: Any, batch_size: int | None, num_dense_features: int | N
         raise BatchValidationError(
             f"dense_features has {dense.shape[0]} rows but the batch has {batch_size} samples."
         )
-    if dense.is_floating_point():
+    # A sum is finite when every value is (one reduction); the rare overflow is checked in full.
+    if dense.is_floating_point() and not bool(torch.isfinite(dense.sum())):
         finite = torch.isfinite(dense)
         if not bool(finite.all()):
             sample, column = (int(i) for i in torch.nonzero(~finite)[0])
@@ -189,9 +200,12 @@ def _check_per_sample(name: str, t: Any, batch_size: int | None) -> None:
         raise BatchValidationError(
             f"{name} has {t.shape[0]} entries but the batch has {batch_size} samples."
         )
-    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-        sample = int(torch.nonzero(~torch.isfinite(t.reshape(-1)))[0])
-        raise BatchValidationError(f"{name}[{sample}] is {float(t.reshape(-1)[sample])}.")
+    if t.is_floating_point() and not bool(torch.isfinite(t.sum())):  # see _check_dense
+        flat = t.reshape(-1)
+        bad = torch.nonzero(~torch.isfinite(flat))
+        if bad.numel():
+            sample = int(bad[0])
+            raise BatchValidationError(f"{name}[{sample}] is {float(flat[sample])}.")
 
 
 def validate_batch(
@@ -236,7 +250,7 @@ def validate_batch(
                 f"sparse feature(s) {unknown} are read by no table (the tables read "
                 f"{sorted(specs)}); fix the feature names or the EmbeddingBagConfig.feature_names."
             )
-        _check_kjt(kjt, dict(specs))
+        _check_kjt(kjt, specs)
         seen.update(kjt.keys())
     missing = sorted(set(specs) - seen)
     if missing:
