@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any
 
 import pytest
@@ -156,3 +158,27 @@ def test_the_vote_ahead_runs_during_the_step_and_is_decided_before_any_other_vot
     world.peer_votes = [False, False]
     guard.before_eval_step(None, "validation", 0, last=False)
     assert world.waited == 4 and guard.decide_ahead() is None
+
+
+def test_every_vote_keeps_its_tensors_until_the_next_vote(monkeypatch: pytest.MonkeyPatch) -> None:
+    # gloo's thread must never free a vote's tensors (cpython#112275): a DataLoader may fork then.
+    world = FakeWorld(monkeypatch)
+    seen: list[weakref.ref] = []
+    reduce = world.all_reduce
+    monkeypatch.setattr(
+        dist, "all_reduce", lambda v, *a, **k: seen.append(weakref.ref(v)) or reduce(v, *a, **k)
+    )
+    guard = StepGuard("raise")
+    guard.carries_stop = True
+    world.peer_votes = [False, False, False, False]
+    guard.before_training_step(None, 0, 0, last=False)  # decided at once
+    gc.collect()
+    assert seen[0]() is not None  # still held after it was decided
+    guard.vote_ahead(None, batch_idx=0, last=False)
+    guard.decide_ahead()
+    gc.collect()
+    assert seen[0]() is None and seen[1]() is not None  # the next vote lets the last one go
+    world.peer_votes = [False, False]
+    guard.before_eval_step(None, "validation", 0, last=False)
+    gc.collect()
+    assert seen[1]() is None and seen[2]() is not None

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from lightning_torchrec.compat.upstream import ShardedTensor
-from lightning_torchrec.distributed import agree, launch_agree, rank_and_world_size
+from lightning_torchrec.distributed import launch_agree, rank_and_world_size
 from lightning_torchrec.errors import BatchValidationError, NonFiniteLossError
 from lightning_torchrec.sharding.layout import shard_info
 from lightning_torchrec.sharding.tables import FeatureSpec
@@ -40,13 +40,13 @@ def _loss_of(output: Any) -> torch.Tensor | None:
 class StepGuard:
     """The per-step checks of a training step, decided in ONE collective.
 
-    Before the forward of step ``t`` every rank contributes, in one :func:`agree`, whether its
-    batch of step ``t`` failed validation and whether its loss of step ``t - 1`` was non-finite.
-    The batch check must precede the forward (a bad id can fail on one rank mid-collective while
-    the others wait); the loss verdict rides along one step late, so it costs no collective of
-    its own. A non-finite loss therefore stops the run at the next step (or at the end of
-    training, :meth:`flush`): that step's update has been applied, so in-memory weights may be
-    non-finite, but checkpoints refuse them.
+    Before the forward of step ``t`` every rank votes once
+    (:func:`~lightning_torchrec.distributed.agree`) on its batch of step ``t`` and its loss of
+    step ``t - 1``. The batch check must precede the forward (a bad id can fail on one rank
+    mid-collective while the others wait); the loss verdict rides along one step late, at no
+    collective of its own, so a NaN/inf loss stops the run at the next step (or at
+    :meth:`flush`) with its update applied: in-memory weights may be non-finite, but
+    checkpoints refuse them.
 
     Args:
         on_nonfinite_loss: ``"raise"`` or ``"ignore"``.
@@ -231,7 +231,7 @@ class StepGuard:
         self.decide_ahead()  # a stop request it carries is made again at the next step
         if self._checks(batch_idx):
             verdict = self._verdict(batch, f"{stage} batch {batch_idx}", ahead)
-            (ranks,) = agree(verdict, flags=[last], device=self.device, group=self.group)
+            (ranks,) = self._agree(verdict, flags=[last])
             check_even(ranks, stage, batch_idx)
 
     @property
@@ -248,9 +248,6 @@ class StepGuard:
     def record_loss(self, output: Any, step: int) -> None:
         """Remembers this step's loss, to be judged at the next check (no GPU-to-host sync).
 
-        On CUDA the loss is copied to pinned host memory asynchronously; the next check reads
-        it after that copy has long completed, so neither call waits for the GPU.
-
         Args:
             output: what ``training_step`` returned (a loss or a mapping with ``"loss"``).
             step: the global step of that loss.
@@ -259,7 +256,7 @@ class StepGuard:
             return
         loss = _loss_of(output)
         value = loss.detach().reshape(-1)[:1].float() if loss is not None else torch.zeros(1)
-        if value.is_cuda:
+        if value.is_cuda:  # copied to pinned memory without waiting; read long after, no stall
             if self._host_loss is None:
                 self._host_loss = torch.empty(1, dtype=torch.float32, pin_memory=True)
             self._host_loss.copy_(value, non_blocking=True)
@@ -301,11 +298,15 @@ class StepGuard:
         if not batch_checked and self._pending is None:
             return []
         error = self._loss_error()
-        last, stopping = agree(
-            batch_error, error, flags=[last_batch, stop], device=self.device, group=self.group
-        )
+        last, stopping = self._agree(batch_error, error, flags=[last_batch, stop])
         check_even(last, "training", batch_idx)
         return stopping
+
+    def _agree(self, *errors: Exception | None, flags: list[bool]) -> list[list[int]]:
+        self._decided = launch_agree(  # agree(), its votes held as in decide_ahead
+            *errors, flags=flags, device=self.device, group=self.group, later=False
+        )
+        return self._decided()
 
     def vote_ahead(
         self, next_error: Exception | None, batch_idx: int, last: bool, stop: bool = False
@@ -350,8 +351,7 @@ class StepGuard:
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return None
-        # Held until the next vote: gloo's thread then never frees the vote's tensors itself, which
-        # would take CPython's thread lock that a fork may copy locked (cpython#112275).
+        # Held until the next vote (so are _agree's): gloo's thread never frees them: cpython#112275
         decide, batch_idx = self._decided = ahead
         last, stopping = decide()
         check_even(last, "training", batch_idx)
