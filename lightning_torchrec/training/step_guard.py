@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from lightning_torchrec.compat.upstream import ShardedTensor
-from lightning_torchrec.distributed import launch_agree, rank_and_world_size
+from lightning_torchrec.distributed import collective_device, launch_agree, rank_and_world_size
 from lightning_torchrec.errors import BatchValidationError, NonFiniteLossError
 from lightning_torchrec.sharding.layout import shard_info
 from lightning_torchrec.sharding.tables import FeatureSpec
@@ -60,7 +60,6 @@ class StepGuard:
         deferred: check a training batch that no worker checked on its device and judge it at
             the next step (:mod:`~lightning_torchrec.training.device_checks`), instead of
             reading its ids on the host before the forward.
-        ahead_on_default: run the votes ahead (:meth:`vote_ahead`) on the default gloo group.
     """
 
     def __init__(
@@ -73,7 +72,6 @@ class StepGuard:
         group: Any = None,
         token: str | None = None,
         deferred: bool = False,
-        ahead_on_default: bool = False,
     ) -> None:
         #: Whether the training step's vote runs every step to carry a stop request (see
         #: :meth:`before_training_step`); set by a front end that stops on a signal.
@@ -84,7 +82,9 @@ class StepGuard:
         self.specs: Mapping[str, FeatureSpec] = specs or {}
         self.dense_width = dense_width
         self.group = group
-        self._ahead_on = (None, torch.device("cpu")) if ahead_on_default else (group, device)
+        # Where the default group is a gloo one, the votes ahead run on it (see StepRunner).
+        on_default = group is not None and collective_device().type == "cpu"
+        self._ahead_on = (None, torch.device("cpu")) if on_default else (group, device)
         self.token = token
         self.deferred = DeferredVerdict(self.specs, dense_width) if deferred else None
         self._pending: tuple[int, torch.Tensor] | None = None

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_torchrec.distributed import collective_device, run_collective
+from lightning_torchrec.distributed import run_collective
 from lightning_torchrec.errors import StopRequested
 from lightning_torchrec.sharding.tables import FeatureSpec
 from lightning_torchrec.training.pipeline_feed import Peek, PipelineFeed
@@ -107,7 +107,6 @@ class StepRunner:
             group=group,
             token=uuid.uuid4().hex,
             deferred=deferred,
-            ahead_on_default=group is not None and collective_device().type == "cpu",
         )
         self.training: SparseDistPipeline | None = None
         self.evaluation: SparseDistPipeline | None = None
