@@ -180,6 +180,77 @@ def test_train_loss_is_a_progress_bar_value_only_with_a_progress_bar(bar: bool) 
     assert "train/loss" in trainer.callback_metrics
 
 
+class _Refreshes(Callback):
+    """The bar's count after each training batch, and whether ``train/loss`` was fresh then."""
+
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+        self.fresh: list[bool] = []
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, *args: Any) -> None:
+        bar = trainer.progress_bar_callback.train_progress_bar
+        self.counts.append(bar.n)
+        shown = trainer.progress_bar_metrics.get("train/loss")
+        self.fresh.append(shown == pytest.approx(float(outputs["loss"]), abs=1e-6))
+
+
+@pytest.mark.parametrize("interval", ["0", "1000"])
+def test_the_default_bar_refreshes_as_tqdm_would_and_the_loss_is_logged_for_its_refreshes(
+    interval: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import lightning as L
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    from lightning_torchrec import TorchRecStrategy
+    from tests.scripts.factory import QUIET, table_wise, tiny_data, tiny_dlrm
+
+    monkeypatch.setenv("TQDM_MININTERVAL", interval)
+    seen = _Refreshes()
+    bar = TQDMProgressBar()  # Lightning's default bar, placed before the callback reading it
+    trainer = L.Trainer(
+        strategy=TorchRecStrategy(constraints=table_wise(2), log_plan=False),
+        devices=1,
+        max_epochs=1,
+        limit_val_batches=0,
+        callbacks=[bar, seen],
+        **(QUIET | {"enable_progress_bar": True}),
+    )
+    trainer.fit(tiny_dlrm(), datamodule=tiny_data(train_batches=6))
+    if interval == "0":  # TQDM_MININTERVAL=0: Lightning's cadence, every batch
+        assert seen.counts == [1, 2, 3, 4, 5, 6] and all(seen.fresh)
+    else:  # at most one refresh per interval, and always the last batch's
+        assert seen.counts == [1, 1, 1, 1, 1, 6]
+        assert seen.fresh == [True, False, False, False, False, True]
+    assert "_should_update" not in vars(bar)  # undone in teardown
+
+
+def test_only_lightnings_default_bar_is_throttled(monkeypatch: pytest.MonkeyPatch) -> None:
+    import lightning as L
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    from lightning_torchrec.compat.lightning import progress_bar_refreshes, throttle_progress_bar
+
+    class Mine(TQDMProgressBar):
+        pass
+
+    monkeypatch.setenv("TQDM_MININTERVAL", "1000")
+    for bar in (Mine(), TQDMProgressBar(refresh_rate=3)):
+        trainer = L.Trainer(callbacks=[bar], logger=False, enable_checkpointing=False)
+        throttle_progress_bar(trainer)()
+        assert "_should_update" not in vars(bar)
+    trainer = L.Trainer(logger=False, enable_checkpointing=False)
+    bar = trainer.progress_bar_callback
+    undo = throttle_progress_bar(trainer)
+    should = bar._should_update
+    # A question about a batch records nothing: the bar still refreshes at that batch's end.
+    assert should.due(1, 10) and should.due(1, 10) and should(1, 10)
+    assert not should.due(2, 10) and not should(2, 10) and should(10, 10)
+    bar.disable()  # as on every rank but 0: no refresh, so no loss logged for it
+    assert not progress_bar_refreshes(trainer, 9)
+    undo()
+    assert "_should_update" not in vars(bar)
+
+
 class _LossSeen(Callback):
     """Each step's returned loss, and the ``train/loss`` the Trainer holds after it."""
 

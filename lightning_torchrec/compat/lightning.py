@@ -7,9 +7,14 @@ below the glue (``lightning_torchrec.lightning``) imports this module.
 from __future__ import annotations
 
 import contextlib
+import math
+import os
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import convert_inf
 from lightning.pytorch.strategies.launchers.multiprocessing import (
     _MultiProcessingLauncher,
     _WorkerOutput,
@@ -58,6 +63,76 @@ def take_over_sigterm_broadcast(trainer: Any) -> Callable[[], None]:
 
 def _no_broadcast() -> None:
     """The SIGTERM broadcast, taken over by the strategy's step vote."""
+
+
+class _Throttle:
+    """``TQDMProgressBar._should_update`` (lightning 1.6+), refreshing at most every ``interval``.
+
+    The bar calls it once per batch end (training, validation, test, predict); it still
+    refreshes at the last batch of a loop, so the count it ends on is exact.
+    """
+
+    def __init__(self, counting: Callable[[int, Any], bool], interval: float) -> None:
+        self.counting, self.interval, self.last = counting, interval, -math.inf
+
+    def due(self, current: int, total: Any) -> bool:
+        """Whether the bar would refresh at this batch, were it to end now (nothing recorded)."""
+        if not self.counting(current, total):
+            return False
+        return current == total or time.monotonic() - self.last >= self.interval
+
+    def __call__(self, current: int, total: Any) -> bool:
+        if not self.due(current, total):
+            return False
+        self.last = time.monotonic()
+        return True
+
+
+def throttle_progress_bar(trainer: Any) -> Callable[[], None]:
+    """Refreshes Lightning's default progress bar as tqdm itself would; returns the undo.
+
+    Lightning's ``TQDMProgressBar`` at its default ``refresh_rate=1`` refreshes at every
+    batch, twice (the count, then the values), and reads every progress-bar value to do so,
+    bypassing tqdm's own ``mininterval``: host work on every step, worth up to a tenth of a
+    short GPU step. Throttled here to at most one refresh per ``mininterval`` (tqdm's 0.1 s,
+    or ``TQDM_MININTERVAL``; ``0`` refreshes at every batch again) plus the last batch of each
+    loop. A bar of another kind, a subclass, or another ``refresh_rate`` is left as it is.
+
+    Args:
+        trainer: the Trainer about to run.
+
+    Returns:
+        A function that restores the bar's own cadence (call it in teardown).
+    """
+    bar = trainer.progress_bar_callback
+    interval = float(os.environ.get("TQDM_MININTERVAL", "0.1"))
+    if type(bar) is not TQDMProgressBar or bar.refresh_rate != 1 or interval <= 0:
+        return lambda: None
+    vars(bar)["_should_update"] = _Throttle(bar._should_update, interval)
+    return lambda: vars(bar).pop("_should_update", None)
+
+
+def progress_bar_refreshes(trainer: Any, batch_idx: int) -> bool:
+    """Whether the progress bar refreshes after training batch ``batch_idx``, were it to end now.
+
+    Asks the bar's ``_should_update`` (``TQDMProgressBar``, lightning 1.6+; throttled or not)
+    without recording anything; a bar without one is taken to refresh at every batch.
+
+    Args:
+        trainer: the Trainer, during a training step.
+        batch_idx: the batch's index in the epoch.
+
+    Returns:
+        False when there is no bar, or it is disabled (as on every rank but 0).
+    """
+    bar = trainer.progress_bar_callback
+    if bar is None or not getattr(bar, "is_enabled", True):
+        return False
+    should = getattr(bar, "_should_update", None)
+    if should is None:
+        return True
+    total = convert_inf(trainer.num_training_batches)  # the bar's total_train_batches
+    return bool(getattr(should, "due", should)(batch_idx + 1, total))
 
 
 def processed_epochs(trainer: Any) -> int:

@@ -12,6 +12,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torchmetrics.classification import BinaryAUROC
 
 from lightning_torchrec.checkpoint import load_unsharded
+from lightning_torchrec.compat.lightning import progress_bar_refreshes
 from lightning_torchrec.models.model_and_loss import ModelAndLoss
 from lightning_torchrec.training.metrics import RecMetrics
 from lightning_torchrec.training.optim import combine_optimizers, dense_parameters
@@ -79,9 +80,10 @@ class TorchRecModule(L.LightningModule):
             over the ranks); None uses the trainer's ``log_every_n_steps``, 0 turns them off.
         train_loss_every_n_steps: steps between ``train/loss`` logs (Lightning's result
             collection costs every ``self.log``). None: at every step when something reads it
-            then (a progress bar, which shows it on the CPU only, or a callback whose
-            ``monitor`` is ``train/loss``, such as ``ModelCheckpoint`` or ``EarlyStopping``,
-            or an LR scheduler monitoring it),
+            then: a progress bar that refreshes after the step (on the CPU only, and on the
+            rank that shows it; under ``TorchRecStrategy`` Lightning's default bar refreshes
+            at most every 0.1 s), a callback whose ``monitor`` is ``train/loss``, such as
+            ``ModelCheckpoint`` or ``EarlyStopping``, or an LR scheduler monitoring it;
             else at the loggers' steps (``log_every_n_steps``) and the last step of the fit or
             epoch; 1: every step (for a callback reading
             ``trainer.callback_metrics["train/loss"]`` at every step).
@@ -232,11 +234,18 @@ class TorchRecModule(L.LightningModule):
     def _log_train_loss(self, loss: torch.Tensor, batch_size: int, batch_idx: int) -> None:
         # In the progress bar only on the CPU: Lightning turns progress-bar values into Python
         # numbers at every refresh, which on CUDA waits for the GPU at every step.
+        # Logged for the bar only when it refreshes after this batch: the result collection
+        # costs every self.log, and the rank's bar may be off (it is on rank 0 only).
         trainer = self._trainer
-        bar = trainer is not None and trainer.progress_bar_callback is not None
-        bar = bar and loss.device.type == "cpu"
-        if trainer is None or self._train_loss_due(trainer, batch_idx, bar):
-            self.log("train/loss", loss, prog_bar=bar, batch_size=batch_size)
+        if trainer is None:
+            self.log("train/loss", loss, batch_size=batch_size)
+            return
+        bar = trainer.progress_bar_callback
+        shown = bar is not None and getattr(bar, "is_enabled", True)
+        shown = shown and loss.device.type == "cpu"
+        refresh = shown and progress_bar_refreshes(trainer, batch_idx)
+        if self._train_loss_due(trainer, batch_idx, refresh):
+            self.log("train/loss", loss, prog_bar=shown, batch_size=batch_size)
 
     def _train_loss_due(self, trainer: L.Trainer, batch_idx: int, in_bar: bool) -> bool:
         every = self.train_loss_every_n_steps

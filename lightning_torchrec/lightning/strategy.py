@@ -31,6 +31,7 @@ from lightning_torchrec.compat.lightning import (
     layer_sync,
     model_kept_in_place,
     process_group_backend,
+    throttle_progress_bar,
 )
 from lightning_torchrec.distributed import init_elastic_group, shutdown_at_exit
 from lightning_torchrec.lightning.checkpoint_hooks import ShardedCheckpointing
@@ -214,6 +215,7 @@ class TorchRecStrategy(
         self._runner: StepRunner | None = None
         self._host_group: Any = None
         self._undo_sigterm: Any = None
+        self._undo_bar: Any = None
         self._dmp: DistributedModelParallel | None = None
         self._plan: ShardingPlan | None = None
         self.plan_summary: PlanSummary | None = None
@@ -265,8 +267,7 @@ class TorchRecStrategy(
     # ------------------------------------------------------------------ setup
     @override
     def setup_distributed(self) -> None:
-        # Under torchrun, in a store of this attempt's own (a restart never reads the dead
-        # attempt's keys); Lightning's own set-up then finds the group up.
+        # In a store of this torchrun attempt's own; Lightning's set-up then finds the group.
         self.set_world_ranks()
         device = self.root_device if self.root_device.type != "cpu" else None
         timeout = self.collective_timeout or default_pg_timeout
@@ -279,24 +280,22 @@ class TorchRecStrategy(
     def setup_environment(self) -> None:
         super().setup_environment()
         if self.peer_timeout is not None or dist.get_backend() != "gloo":
-            # The per-step votes are host integers: a gloo group decides them without a GPU
-            # sync, within `peer_timeout`. Owned by this strategy; destroyed in teardown.
+            # Host votes without a GPU sync, within `peer_timeout`; destroyed in teardown.
             self._host_group = dist.new_group(backend="gloo", timeout=self.peer_timeout)
 
     @override
     def setup(self, trainer: L.Trainer) -> None:
         check_precision(self.precision_plugin)
         self._resume_position = None  # set again when this run loads a checkpoint
-        # Strategy.setup's template (DDPStrategy's own would wrap the model in DDP, or broadcast
-        # its state outside fit): the model is sharded by `_setup_model`, optimizers follow.
+        # Strategy.setup's template (not DDP's): `_setup_model` shards, optimizers follow.
         super(DDPStrategy, self).setup(trainer)
         # Lightning's SLURM requeue saves inside its signal handler; save between steps instead.
         add_slurm_requeue(trainer, self.cluster_environment)
+        self._undo_bar = throttle_progress_bar(trainer)  # no refresh at every short step
 
     @override
     def model_to_device(self) -> None:
-        # DistributedModelParallel places shards and dense modules itself; moving the unsharded
-        # module would fail on meta tables or copy every table to one device.
+        # DMP places shards and dense modules itself (moving would fail on meta tables).
         pass
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
@@ -369,9 +368,10 @@ class TorchRecStrategy(
     def teardown(self) -> None:
         if self._runner is not None:
             self._runner.close()
-        if self._undo_sigterm is not None:
-            self._undo_sigterm()
-            self._undo_sigterm = None
+        for undo in (self._undo_sigterm, self._undo_bar):
+            if undo is not None:
+                undo()
+        self._undo_sigterm = self._undo_bar = None
         if self._host_group is not None:
             dist.destroy_process_group(self._host_group)
             self._host_group = None
