@@ -297,6 +297,20 @@ def run_variant(
     return raw_run(size, data, steps, False if pipeline == "base" else pipeline, setup, warmup)
 
 
+def paired_ratios(runs: list[Run], against: list[Run], warmup: int) -> dict[str, float]:
+    """Each round's median step over ``against``'s in the same round: median, quartiles.
+
+    Both ran back to back in every round, so a machine that slows down for a while slows both:
+    the paired ratio is steadier than the ratio of the overall medians.
+    """
+    return stats(
+        [
+            statistics.median(a.times[warmup:]) / statistics.median(b.times[warmup:])
+            for a, b in zip(runs, against, strict=False)
+        ]
+    )
+
+
 def summarize(
     runs: dict[str, list[Run]],
     errors: dict[str, str],
@@ -349,9 +363,18 @@ def summarize(
         out["best_raw_step_s"] = best
     if best_sync is not None:
         out["best_synchronous_raw_step_s"] = best_sync
+    sync_name = (
+        min((k for k in SYNC_RAW if k in per_variant), key=lambda k: per_variant[k][key]["median"])
+        if best_sync is not None
+        else None
+    )
     for variant, v in per_variant.items():
         if best_sync is not None:
             v["ratio_to_best_synchronous_raw"] = v[key]["median"] / best_sync
+        if sync_name is not None and setup.timing == "steps":
+            v["paired_ratio_to_best_synchronous_raw"] = paired_ratios(
+                runs[variant], runs[sync_name], warmup
+            )
         if best is not None:
             v["ratio_to_best_raw"] = v[key]["median"] / best
             v["memory_bandwidth_fraction"] = limit["bytes_per_step"] / (

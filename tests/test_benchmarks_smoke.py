@@ -131,6 +131,11 @@ def test_pipeline_variants_all_measured(results: Path) -> None:
     assert {"raw_base", "raw_sparse_dist"} <= set(raws)
     assert min(sized[v]["ratio_to_best_raw"] for v in raws) == 1.0
     assert all(sized[v]["ratio_to_best_raw"] >= 1.0 for v in raws)
+    # Paired per round with the faster synchronous raw loop: that loop's own ratios are all 1.
+    best = min(("raw_base", "raw_sparse_dist"), key=lambda v: sized[v]["ratio_to_best_raw"])
+    paired = {v: sized[v]["paired_ratio_to_best_synchronous_raw"] for v in variants}
+    assert paired[best]["min"] == paired[best]["median"] == 1.0
+    assert all(p["n"] == sized["rounds"] and p["min"] > 0 for p in paired.values())
     limit = sized["physical_limit"]
     assert limit["bytes_per_step"] > 0 and limit["bytes_per_s"] > 1e8
 
