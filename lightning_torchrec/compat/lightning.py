@@ -66,7 +66,7 @@ def _no_broadcast() -> None:
 
 
 class _Throttle:
-    """``TQDMProgressBar._should_update`` (lightning 1.6+), refreshing at most every ``interval``.
+    """``TQDMProgressBar._should_update`` (lightning 2.0+), refreshing at most every ``interval``.
 
     The bar calls it once per batch end (training, validation, test, predict); it still
     refreshes at the last batch of a loop, so the count it ends on is exact.
@@ -115,7 +115,7 @@ def throttle_progress_bar(trainer: Any) -> Callable[[], None]:
 def progress_bar_refreshes(trainer: Any, batch_idx: int) -> bool:
     """Whether the progress bar refreshes after training batch ``batch_idx``, were it to end now.
 
-    Asks the bar's ``_should_update`` (``TQDMProgressBar``, lightning 1.6+; throttled or not)
+    Asks the bar's ``_should_update`` (``TQDMProgressBar``, lightning 2.0+; throttled or not)
     without recording anything; a bar without one is taken to refresh at every batch.
 
     Args:

@@ -232,10 +232,9 @@ class TorchRecModule(L.LightningModule):
         return loss
 
     def _log_train_loss(self, loss: torch.Tensor, batch_size: int, batch_idx: int) -> None:
-        # In the progress bar only on the CPU: Lightning turns progress-bar values into Python
-        # numbers at every refresh, which on CUDA waits for the GPU at every step.
-        # Logged for the bar only when it refreshes after this batch: the result collection
-        # costs every self.log, and the rank's bar may be off (it is on rank 0 only).
+        # In the progress bar only on the CPU (a refresh turns its values into Python numbers,
+        # which on CUDA waits for the GPU), and logged for it only on the rank that shows it,
+        # when it refreshes after this batch: the result collection costs every self.log.
         trainer = self._trainer
         if trainer is None:
             self.log("train/loss", loss, batch_size=batch_size)
