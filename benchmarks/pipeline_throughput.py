@@ -357,17 +357,13 @@ def summarize(
     key = "round_median_step_s" if setup.timing == "steps" else "step_s"
     best = min((v[key]["median"] for v in raws), default=None)
     # The loops the Trainer's defaults are bit-equal to (semi-sync reads tables one update late).
-    synchronous = [per_variant[k][key]["median"] for k in SYNC_RAW if k in per_variant]
-    best_sync = min(synchronous, default=None)
+    synchronous = [k for k in SYNC_RAW if k in per_variant]
+    sync_name = min(synchronous, key=lambda k: per_variant[k][key]["median"], default=None)
+    best_sync = None if sync_name is None else per_variant[sync_name][key]["median"]
     if best is not None:
         out["best_raw_step_s"] = best
     if best_sync is not None:
         out["best_synchronous_raw_step_s"] = best_sync
-    sync_name = (
-        min((k for k in SYNC_RAW if k in per_variant), key=lambda k: per_variant[k][key]["median"])
-        if best_sync is not None
-        else None
-    )
     for variant, v in per_variant.items():
         if best_sync is not None:
             v["ratio_to_best_synchronous_raw"] = v[key]["median"] / best_sync
