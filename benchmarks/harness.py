@@ -20,6 +20,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, DistributedSampler
 from torchrec.distributed.planner.types import ParameterConstraints
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
 from benchmarks.common import CachedBatches, ModelSize
 
@@ -133,10 +134,16 @@ class RawLoop:
         size: model and data sizes.
         data: the cached batches (the same objects Lightning reads).
         device: this rank's device (default CPU).
+        pipelined: steps run through TorchRec's ``TrainPipelineSparseDist`` (the sparse-dist
+            loop written by hand) instead of the plain loop.
     """
 
     def __init__(
-        self, size: ModelSize, data: CachedBatches, device: torch.device | None = None
+        self,
+        size: ModelSize,
+        data: CachedBatches,
+        device: torch.device | None = None,
+        pipelined: bool = False,
     ) -> None:
         from torchrec.distributed.model_parallel import DistributedModelParallel
         from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
@@ -191,6 +198,9 @@ class RawLoop:
             pin_cached(data)
         sampler = rank_sampler(data, rank, world)
         self.batches = iter(DataLoader(data, batch_size=None, sampler=sampler))
+        self.pipeline = (
+            TrainPipelineSparseDist(self.model, self.optimizer, device) if pipelined else None
+        )
         self.losses: list[float] = []
         self.device_losses: list[torch.Tensor] = []
         self.times: list[tuple[int, float]] = []
@@ -198,16 +208,21 @@ class RawLoop:
     def step(self) -> torch.Tensor:
         """One step: next batch (copied to the device), zero_grad, forward, backward, update.
 
-        Returns the detached loss; on CPU its value is also appended to ``losses``.
+        With ``pipelined``, one ``progress()`` of the sparse-dist pipeline instead (it copies,
+        zeroes, updates and reads ahead itself). Returns the detached loss; on CPU its value is
+        also appended to ``losses``.
         """
-        batch = next(self.batches)
-        if self.device.type != "cpu":
-            batch = batch.to(self.device, non_blocking=True)
-        self.optimizer.zero_grad()
-        loss, _ = self.model(batch)
-        loss.backward()
-        self.optimizer.step()
-        detached = loss.detach()
+        if self.pipeline is not None:
+            detached = self.pipeline.progress(self.batches)["loss"].detach()
+        else:
+            batch = next(self.batches)
+            if self.device.type != "cpu":
+                batch = batch.to(self.device, non_blocking=True)
+            self.optimizer.zero_grad()
+            loss, _ = self.model(batch)
+            loss.backward()
+            self.optimizer.step()
+            detached = loss.detach()
         if self.device.type == "cpu":
             self.losses.append(detached.item())
         else:
@@ -246,7 +261,9 @@ class Interleaver(Callback):
         variants: Lightning variants cycled block by block (e.g. ``["lightning"]``).
         block: steps per block.
         data: the cached batches (``setup`` fills this rank's).
-        raw: builds the raw loop after the process group exists, or None.
+        raw: builds the raw loop after the process group exists, or None; or several (e.g. the
+            plain and the sparse-dist loop), each running a block at every block boundary, in
+            alternating order, from the first one's weights.
         profile: a ``cProfile.Profile`` enabled during measured Lightning steps, or None.
         configure: ``configure(trainer, variant)`` called when a block of ``variant`` starts.
     """
@@ -256,7 +273,7 @@ class Interleaver(Callback):
         variants: Sequence[str],
         block: int,
         data: CachedBatches,
-        raw: Callable[[], RawLoop] | None = None,
+        raw: Callable[[], RawLoop | list[RawLoop]] | None = None,
         profile: Any = None,
         configure: Callable[[L.Trainer, str], None] | None = None,
     ) -> None:
@@ -265,6 +282,7 @@ class Interleaver(Callback):
         self.data = data
         self.make_raw = raw
         self.raw: RawLoop | None = None
+        self.raws: list[RawLoop] = []
         self.profile = profile
         self.configure = configure
         self.current = self.variants[0]
@@ -278,7 +296,11 @@ class Interleaver(Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.data.prepare(list(rank_sampler(self.data, trainer.global_rank, trainer.world_size)))
         if self.make_raw is not None:
-            self.raw = self.make_raw()
+            made = self.make_raw()
+            self.raws = made if isinstance(made, list) else [made]
+            self.raw = self.raws[0]
+            for other in self.raws[1:]:
+                self.raw.copy_weights_to(other.model, prefix="")
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.raw is not None:
@@ -298,8 +320,11 @@ class Interleaver(Callback):
             self.current = self.variants[self.block_index % len(self.variants)]
             if self.configure is not None:
                 self.configure(trainer, self.current)
-            if self.raw is not None:
-                self.raw.run_block(self.block_index, self.block)
+            # Flipped every len(variants) blocks: each variant follows each order equally often.
+            flip = (self.block_index // len(self.variants)) % 2
+            order = self.raws[::-1] if flip else self.raws
+            for raw in order:
+                raw.run_block(self.block_index, self.block)
         if self.profile is not None:
             self.profile.enable()
         self.last = time.perf_counter()

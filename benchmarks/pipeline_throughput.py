@@ -35,6 +35,7 @@ import statistics
 import tempfile
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -165,6 +166,7 @@ def trainer_run(
     warmup: int = 0,
     profile: Any = None,
     lightning_defaults: bool = False,
+    callbacks: Sequence[Callback] = (),
     **strategy_extra: Any,
 ) -> Run:
     """One Trainer fit of ``steps`` steps; its step times and timed window.
@@ -172,7 +174,8 @@ def trainer_run(
     ``pipeline``: the strategy's, or ``"default"`` for its default (``"auto"``);
     ``lightning_defaults``: Lightning's own defaults (progress bar, logger, checkpointing, model
     summary) instead of parity settings (all off); ``profile``: a ``cProfile.Profile`` enabled
-    over the timed window; ``strategy_extra`` goes to ``TorchRecStrategy``.
+    over the timed window; ``callbacks``: more Trainer callbacks; ``strategy_extra`` goes to
+    ``TorchRecStrategy``.
     """
     from lightning_torchrec import TorchRecStrategy
 
@@ -197,7 +200,7 @@ def trainer_run(
         max_steps=steps,
         num_sanity_val_steps=0,
         default_root_dir=tempfile.mkdtemp(prefix="bench_pipeline_"),
-        callbacks=[timer],
+        callbacks=[timer, *callbacks],
         **({} if lightning_defaults else parity),
     )
     trainer.fit(dlrm_module(size), train_dataloaders=DataLoader(data, batch_size=None))

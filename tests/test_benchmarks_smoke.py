@@ -17,7 +17,13 @@ import pytest
 from benchmarks.run import table
 from tests.helpers import ROOT, clean_env
 
-MULTI = ["strategy_overhead", "callback_cost", "checkpoint_cost", "pipeline_throughput"]
+MULTI = [
+    "strategy_overhead",
+    "callback_cost",
+    "checkpoint_cost",
+    "pipeline_throughput",
+    "step_phases",
+]
 SINGLE = ["norm_throughput", "sampling_scale", "planner_scale"]
 
 
@@ -65,13 +71,23 @@ def _load(out: Path, name: str) -> dict:
     return json.loads((out / f"{name}.json").read_text())
 
 
-def test_raw_loop_and_trainer_see_identical_losses(results: Path) -> None:
+def test_raw_loops_and_trainer_see_identical_losses(results: Path) -> None:
     r = _load(results, "strategy_overhead")
-    assert r["weights_copied"] > 0
-    assert r["loss_steps_compared"] == r["steps_per_variant"]
-    assert r["loss_max_abs_diff"] == 0.0 and r["losses_identical"]
-    assert r["lightning_step_s"]["n"] > 0 and r["raw_step_s"]["n"] > 0
-    assert r["step_time_ratio"]["ratio_of_medians"] > 0
+    assert set(r["fits"]) == {"defaults", "parity"}
+    for f in r["fits"].values():
+        assert f["weights_copied"] > 0
+        assert f["loss_steps_compared"] == f["steps_per_variant"]
+        assert f["loss_max_abs_diff"] == 0.0 and f["losses_identical"]
+        assert set(f["first_losses"]) == {"lightning", "raw_base", "raw_sparse_dist"}
+        assert f["best_raw"] in ("raw_base", "raw_sparse_dist")
+        for v in f["variants"].values():
+            assert set(v["against"]) == {"raw_base", "raw_sparse_dist"}
+            # The headline figures are those against the faster raw loop.
+            assert v["step_time_ratio"] == v["against"][f["best_raw"]]["step_time_ratio"]
+            for a in v["against"].values():
+                assert a["lightning_step_s"]["n"] > 0 and a["raw_step_s"]["n"] > 0
+                assert a["step_time_ratio"]["ratio_of_medians"] > 0
+    assert "## 1. Strategy overhead" in (results / "README.md").read_text()
 
 
 def test_callback_variants_all_measured(results: Path) -> None:
@@ -140,6 +156,18 @@ def test_pipeline_variants_all_measured(results: Path) -> None:
     assert limit["bytes_per_step"] > 0 and limit["bytes_per_s"] > 1e8
 
 
+def test_step_phases_line_up_with_the_raw_loop(results: Path) -> None:
+    r = _load(results, "step_phases_cpu")["variants"]
+    shared = [f"{p} < -> {p} >" for p in ("forward", "backward", "input dist wait")]
+    for variant in ("raw_sparse_dist", "trainer_parity", "trainer_defaults"):
+        phases = r[variant]["phases_s"]
+        assert all(phases[name] > 0 for name in shared), (variant, sorted(phases))
+        assert r[variant]["step_s"]["n"] == 1
+    # The Trainer's own phases: its hooks around the shared ones.
+    assert "progress > -> on_before_zero_grad" in r["trainer_parity"]["phases_s"]
+    assert not any("on_train_batch" in name for name in r["raw_sparse_dist"]["phases_s"])
+
+
 def test_markdown_table_has_every_section(results: Path) -> None:
     text = (results / "README.md").read_text()
     for section in (
@@ -150,6 +178,7 @@ def test_markdown_table_has_every_section(results: Path) -> None:
         "## 5.",
         "## 6.",
         "## The Trainer against raw TorchRec loops",
+        "## Where a step's host time goes, phase by phase",
     ):
         assert section in text
     assert "NaN" not in text and "nan" not in text.split()
