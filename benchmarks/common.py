@@ -38,16 +38,24 @@ def stats(values: Sequence[float]) -> dict[str, float]:
     }
 
 
+def paired_stats(num: Sequence[float], den: Sequence[float]) -> dict[str, float]:
+    """:func:`stats` of ``num[i] / den[i]`` (pairs by position, up to the shorter list's end).
+
+    Each pair ran back to back (a round, a block), so a machine that slows down for a while
+    slows both: the paired ratio is steadier than the ratio of the overall medians.
+    """
+    return stats([a / b for a, b in zip(num, den, strict=False) if b > 0])
+
+
 def ratio_stats(num: Sequence[float], den: Sequence[float]) -> dict[str, float]:
     """Ratio of medians plus the spread of paired (block-wise) ratios."""
-    paired = [a / b for a, b in zip(num, den, strict=False) if b > 0]
     sn, sd = stats(num), stats(den)
     out = {
         "ratio_of_medians": sn["median"] / sd["median"],
         "ratio_of_q1": sn["q1"] / sd["q1"],  # less sensitive to other load on the machine
     }
-    if paired:
-        s = stats(paired)
+    s = paired_stats(num, den)
+    if s["n"]:
         out.update({"paired_median": s["median"], "paired_q1": s["q1"], "paired_q3": s["q3"]})
     return out
 

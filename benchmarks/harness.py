@@ -281,7 +281,6 @@ class Interleaver(Callback):
         self.block = block
         self.data = data
         self.make_raw = raw
-        self.raw: RawLoop | None = None
         self.raws: list[RawLoop] = []
         self.profile = profile
         self.configure = configure
@@ -298,9 +297,13 @@ class Interleaver(Callback):
         if self.make_raw is not None:
             made = self.make_raw()
             self.raws = made if isinstance(made, list) else [made]
-            self.raw = self.raws[0]
             for other in self.raws[1:]:
-                self.raw.copy_weights_to(other.model, prefix="")
+                self.raws[0].copy_weights_to(other.model, prefix="")
+
+    @property
+    def raw(self) -> RawLoop | None:
+        """The first raw loop (whose weights the others and the Lightning model start from)."""
+        return self.raws[0] if self.raws else None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.raw is not None:

@@ -39,7 +39,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import RESULTS, SYNC_RAW, stats, write_result
+from benchmarks.common import RESULTS, SYNC_RAW, paired_stats, stats, write_result
 from benchmarks.harness import SEED, dataset, versions
 from benchmarks.pipeline_throughput import SIZES, Setup, raw_run, trainer_run
 
@@ -151,8 +151,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             "ratio_to_raw_base": per_round["median"] / base,
             "extra_ms_per_step": 1e3 * (per_round["median"] - base),
             # Each round's step over the best synchronous raw loop's in the same round.
-            "paired_ratio_to_best_synchronous_raw": stats(
-                [a / b for a, b in zip(rounds[variant], rounds[best_sync], strict=True)]
+            "paired_ratio_to_best_synchronous_raw": paired_stats(
+                rounds[variant], rounds[best_sync]
             ),
         }
         print(

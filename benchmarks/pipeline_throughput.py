@@ -47,7 +47,15 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-from benchmarks.common import RESULTS, SYNC_RAW, CachedBatches, ModelSize, stats, write_result
+from benchmarks.common import (
+    RESULTS,
+    SYNC_RAW,
+    CachedBatches,
+    ModelSize,
+    paired_stats,
+    stats,
+    write_result,
+)
 from benchmarks.harness import (
     FUSED,
     SEED,
@@ -301,16 +309,10 @@ def run_variant(
 
 
 def paired_ratios(runs: list[Run], against: list[Run], warmup: int) -> dict[str, float]:
-    """Each round's median step over ``against``'s in the same round: median, quartiles.
-
-    Both ran back to back in every round, so a machine that slows down for a while slows both:
-    the paired ratio is steadier than the ratio of the overall medians.
-    """
-    return stats(
-        [
-            statistics.median(a.times[warmup:]) / statistics.median(b.times[warmup:])
-            for a, b in zip(runs, against, strict=False)
-        ]
+    """Each round's median step over ``against``'s in the same round: median, quartiles."""
+    return paired_stats(
+        [statistics.median(r.times[warmup:]) for r in runs],
+        [statistics.median(r.times[warmup:]) for r in against],
     )
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import statistics
 import time
 from collections.abc import Iterator
@@ -90,7 +91,7 @@ class Marks(Callback):
         Phases seen in fewer than half of the steps (the first and last of a run) are dropped.
         """
         found: dict[str, list[float]] = {}
-        for (a, ta), (b, tb) in zip(self.marks, self.marks[1:], strict=False):
+        for (a, ta), (b, tb) in itertools.pairwise(self.marks):
             found.setdefault(f"{a} -> {b}", []).append(tb - ta)
         steps = max((len(v) for v in found.values()), default=0)
         return {k: statistics.median(v) for k, v in found.items() if 2 * len(v) >= steps}
