@@ -42,6 +42,24 @@ def test_nonfinite_loss_is_judged_at_the_next_check_naming_the_step() -> None:
         TorchRecStrategy(on_nonfinite_loss="skip")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    "loss",
+    [
+        torch.tensor(float("nan"), requires_grad=True) * 2,  # as training_step returns it
+        torch.tensor([float("-inf")], dtype=torch.bfloat16),
+        torch.tensor([0.5, float("nan"), 0.25]),  # a loss left unreduced
+    ],
+    ids=["graph", "bfloat16", "unreduced"],
+)
+def test_every_kind_of_host_loss_is_judged(loss: torch.Tensor) -> None:
+    guard = StepGuard("raise")
+    guard.record_loss({"loss": loss}, 5)
+    with pytest.raises(NonFiniteLossError, match=r"global step 5 .*this rank: "):
+        guard.check(None, batch_checked=False)
+    guard.record_loss({"loss": loss.detach().nan_to_num()}, 6)
+    guard.check(None, batch_checked=False)
+
+
 def test_nonfinite_tensors_names_them() -> None:
     state = {"a": torch.ones(2), "b": {"c": torch.tensor([1.0, float("nan")])}, "n": 3}
     assert nonfinite_tensors(state) == ["b.c"]

@@ -179,8 +179,11 @@ class StepHooks:
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         super().post_backward(closure_loss)
-        if self._runner is not None and self.lightning_module.trainer.training:
-            self._runner.after_backward()  # semi-sync: the tables' update of this batch
+        runner = self._runner
+        if runner is None or not runner.updates_after_backward:
+            return
+        if self.lightning_module.trainer.training:
+            runner.after_backward()  # semi-sync: the tables' update of this batch
 
     @override
     def on_exception(self, exception: BaseException) -> None:

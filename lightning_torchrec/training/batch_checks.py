@@ -31,6 +31,7 @@ collective of the step.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -181,7 +182,7 @@ def _check_dense(dense: Any, batch_size: int | None, num_dense_features: int | N
             f"dense_features has {dense.shape[0]} rows but the batch has {batch_size} samples."
         )
     # A sum is finite when every value is (one reduction); the rare overflow is checked in full.
-    if dense.is_floating_point() and not bool(torch.isfinite(dense.sum())):
+    if dense.is_floating_point() and not math.isfinite(dense.sum().item()):
         finite = torch.isfinite(dense)
         if not bool(finite.all()):
             sample, column = (int(i) for i in torch.nonzero(~finite)[0])
@@ -200,7 +201,7 @@ def _check_per_sample(name: str, t: Any, batch_size: int | None) -> None:
         raise BatchValidationError(
             f"{name} has {t.shape[0]} entries but the batch has {batch_size} samples."
         )
-    if t.is_floating_point() and not bool(torch.isfinite(t.sum())):  # see _check_dense
+    if t.is_floating_point() and not math.isfinite(t.sum().item()):  # see _check_dense
         flat = t.reshape(-1)
         bad = torch.nonzero(~torch.isfinite(flat))
         if bad.numel():

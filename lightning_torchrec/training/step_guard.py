@@ -16,6 +16,7 @@ every rank (:func:`lightning_torchrec.distributed.agree`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -30,11 +31,6 @@ from lightning_torchrec.training.batch_checks import check_batch
 from lightning_torchrec.training.device_checks import DeferredVerdict
 from lightning_torchrec.training.uneven_data import check_even
 from lightning_torchrec.training.worker_checks import UNCHECKED, VERDICT_ATTRIBUTE, worker_verdict
-
-
-def _loss_of(output: Any) -> torch.Tensor | None:
-    loss = output.get("loss") if isinstance(output, Mapping) else output
-    return loss if isinstance(loss, torch.Tensor) else None
 
 
 class StepGuard:
@@ -254,12 +250,12 @@ class StepGuard:
         """
         if self._mode != "raise":
             return
-        loss = _loss_of(output)
-        value = loss.detach().reshape(-1)[:1].float() if loss is not None else torch.zeros(1)
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        value = loss.detach() if isinstance(loss, torch.Tensor) else torch.zeros(1)  # host: as is
         if value.is_cuda:  # copied to pinned memory without waiting; read long after, no stall
             if self._host_loss is None:
                 self._host_loss = torch.empty(1, dtype=torch.float32, pin_memory=True)
-            self._host_loss.copy_(value, non_blocking=True)
+            self._host_loss.copy_(value.reshape(-1)[:1], non_blocking=True)
             self._copied = torch.cuda.Event()
             self._copied.record()
             value = self._host_loss
@@ -363,15 +359,18 @@ class StepGuard:
 
 
 def _nonfinite_loss_error(pending: tuple[int, torch.Tensor] | None) -> NonFiniteLossError | None:
-    if pending is None or bool(torch.isfinite(pending[1]).all()):
+    if pending is None:  # below: one read of a scalar loss (the usual case), else a reduction
         return None
     step, value = pending
+    if math.isfinite(value.item()) if value.numel() == 1 else bool(value.isfinite().all()):
+        return None
     rank, _ = rank_and_world_size()
     return NonFiniteLossError(
         f"non-finite training loss at global step {step} on rank(s) [{rank}] (this rank: "
-        f"{float(value[0])}). That step's update was applied, so the in-memory weights may be "
-        "non-finite; checkpoints refuse non-finite values and the last one is intact. Check the "
-        "batch (NaN features, extreme labels/weights) and lower the learning rate."
+        f"{float(value.reshape(-1)[0])}). That step's update was applied, so the in-memory "
+        "weights may be non-finite; checkpoints refuse non-finite values and the last one is "
+        "intact. Check the batch (NaN features, extreme labels/weights) and lower the "
+        "learning rate."
     )
 
 

@@ -323,9 +323,14 @@ class StepRunner:
         """Judges a pending batch verdict on every rank (before a checkpoint is written)."""
         self.collective(self.guard.settle)
 
+    @property
+    def updates_after_backward(self) -> bool:
+        """Whether :meth:`after_backward` has work to do (semi-sync's table update)."""
+        return isinstance(self.training, SemiSyncPipeline)
+
     def after_backward(self) -> None:
         """After the backward of a training step: semi-sync's table update of that batch."""
-        if self.training is not None:
+        if self.training is not None and self.updates_after_backward:
             self.collective(self.training.after_backward)
 
     # ------------------------------------------------------------------ stages
