@@ -365,9 +365,10 @@ def _nonfinite_loss_error(pending: tuple[int, torch.Tensor] | None) -> NonFinite
     if math.isfinite(value.item()) if value.numel() == 1 else bool(value.isfinite().all()):
         return None
     rank, _ = rank_and_world_size()
+    flat = value.reshape(-1)
     return NonFiniteLossError(
         f"non-finite training loss at global step {step} on rank(s) [{rank}] (this rank: "
-        f"{float(value.reshape(-1)[0])}). That step's update was applied, so the in-memory "
+        f"{float(flat[~flat.isfinite()][0])}). That step's update was applied, so the in-memory "
         "weights may be non-finite; checkpoints refuse non-finite values and the last one is "
         "intact. Check the batch (NaN features, extreme labels/weights) and lower the "
         "learning rate."
