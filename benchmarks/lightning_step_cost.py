@@ -28,20 +28,25 @@ Run: ``python -m benchmarks.lightning_step_cost [--size tiny|demo|benchmark] [--
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import statistics
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import RESULTS, SYNC_RAW, paired_stats, stats, write_result
+from benchmarks.common import SYNC_RAW, paired_stats, stats, write_result
 from benchmarks.harness import SEED, dataset, versions
-from benchmarks.pipeline_throughput import SIZES, Setup, raw_run, trainer_run
+from benchmarks.pipeline_throughput import (
+    SIZES,
+    Setup,
+    parse_rounds,
+    raw_run,
+    rounds_parser,
+    trainer_run,
+)
 
 NO_CHECKS = {"validate_batches": False, "on_nonfinite_loss": "ignore"}
 VARIANTS = [
@@ -108,16 +113,7 @@ def run_variant(variant: str, size: Any, data: Any, steps: int, warmup: int) -> 
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--size", choices=sorted(SIZES), default="benchmark")
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--out", default=str(RESULTS))
-    p.add_argument("--quick", action="store_true", help="tiny model, one short round")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.size, args.rounds, args.steps, args.warmup = "tiny", 1, 12, 2
+    args = parse_rounds(rounds_parser(__doc__ or "", steps=60, rounds=5), argv)
     torch.set_num_threads(1)
     size = SIZES[args.size]()
     data = dataset(size, 2 * (args.steps + 4))
@@ -160,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             f"  x{per_round['median'] / base:.3f}",
             flush=True,
         )
-    path = write_result(f"lightning_step_cost_{args.size}", result, Path(args.out))
+    path = write_result(f"lightning_step_cost_{args.size}", result, args.out)
     print(f"lightning_step_cost: wrote {path}")
     return result
 

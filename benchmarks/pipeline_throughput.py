@@ -85,6 +85,34 @@ NOCHECKS = "_nochecks"
 SIZES = {"demo": ModelSize.demo, "benchmark": ModelSize, "tiny": ModelSize.tiny}
 
 
+def rounds_parser(
+    doc: str, steps: int, rounds: int, quick: str = "tiny model, one short round"
+) -> argparse.ArgumentParser:
+    """The options of a benchmark of alternating rounds of whole runs (see :func:`parse_rounds`).
+
+    ``--size``, ``--steps``, ``--warmup``, ``--rounds``, ``--out`` and ``--quick``; add more
+    before parsing.
+    """
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--size", choices=sorted(SIZES), default="benchmark")
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=rounds)
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--quick", action="store_true", help=quick)
+    return p
+
+
+def parse_rounds(
+    p: argparse.ArgumentParser, argv: list[str] | None, quick_rounds: int = 1
+) -> argparse.Namespace:
+    """Parses :func:`rounds_parser`'s options; ``--quick``: tiny model, 12 steps, 2 of warmup."""
+    args = p.parse_args(argv)
+    if args.quick:
+        args.size, args.rounds, args.steps, args.warmup = "tiny", quick_rounds, 12, 2
+    return args
+
+
 @dataclass
 class Setup:
     """Where and how the benchmark runs."""

@@ -14,13 +14,11 @@ Run: ``python -m benchmarks.step_phases [--rounds 3] [--steps 60] [--size benchm
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import itertools
 import statistics
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -30,9 +28,16 @@ from lightning.pytorch.callbacks import Callback
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-from benchmarks.common import RESULTS, stats, write_result
+from benchmarks.common import stats, write_result
 from benchmarks.harness import SEED, dataset, versions
-from benchmarks.pipeline_throughput import SIZES, Setup, raw_run, trainer_run
+from benchmarks.pipeline_throughput import (
+    SIZES,
+    Setup,
+    parse_rounds,
+    raw_run,
+    rounds_parser,
+    trainer_run,
+)
 
 #: A Trainer first: its fit opens the process group the raw loop then uses.
 VARIANTS = ["trainer_parity", "trainer_defaults", "raw_sparse_dist"]
@@ -145,17 +150,9 @@ def run_variant(variant: str, size: Any, data: Any, steps: int, warmup: int, set
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--size", choices=sorted(SIZES), default="benchmark")
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--rounds", type=int, default=3)
+    p = rounds_parser(__doc__ or "", steps=60, rounds=3)
     p.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--out", type=Path, default=RESULTS)
-    p.add_argument("--quick", action="store_true", help="tiny model, one short round")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.size, args.rounds, args.steps, args.warmup = "tiny", 1, 12, 2
+    args = parse_rounds(p, argv)
     torch.set_num_threads(1)
     cuda = args.accelerator == "cuda"
     setup = Setup(accelerator=args.accelerator, world=1 if cuda else 2)

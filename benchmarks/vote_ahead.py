@@ -13,35 +13,25 @@ Run: ``python -m benchmarks.vote_ahead [--rounds 10] [--size benchmark]``.
 
 from __future__ import annotations
 
-import argparse
 import statistics
-from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import RESULTS, stats, write_result
+from benchmarks.common import stats, write_result
 from benchmarks.harness import SEED, dataset, versions
 from benchmarks.lightning_step_cost import RESOLVED, run_variant
-from benchmarks.pipeline_throughput import SIZES
+from benchmarks.pipeline_throughput import SIZES, parse_rounds, rounds_parser
 
 AHEAD, BEFORE = "trainer_parity", "trainer_parity, vote before forward"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     """Runs the rounds; rank 0 writes ``vote_ahead.json`` and returns it."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--size", choices=sorted(SIZES), default="benchmark")
-    p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--out", type=Path, default=RESULTS)
-    p.add_argument("--quick", action="store_true", help="tiny model, one round of each order")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.size, args.rounds, args.steps, args.warmup = "tiny", 2, 12, 2
+    p = rounds_parser(__doc__ or "", 50, 10, quick="tiny model, one round of each order")
+    args = parse_rounds(p, argv, quick_rounds=2)
     torch.set_num_threads(1)
     size = SIZES[args.size]()
     data = dataset(size, 2 * (args.steps + 4))
