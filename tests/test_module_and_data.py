@@ -180,6 +180,44 @@ def test_train_loss_is_a_progress_bar_value_only_with_a_progress_bar(bar: bool) 
     assert "train/loss" in trainer.callback_metrics
 
 
+def test_what_lightning_sets_every_step_takes_the_short_path_and_nothing_else_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from lightning_torchrec.compat.lightning import PER_STEP_ATTRIBUTES
+    from tests.scripts.factory import cpu_trainer, tiny_data, tiny_dlrm
+
+    slow: list[str] = []
+    module_setattr = torch.nn.Module.__setattr__
+
+    def counted(self: torch.nn.Module, name: str, value: Any) -> None:
+        slow.append(name)
+        module_setattr(self, name, value)
+
+    class HookNames(Callback):
+        def __init__(self) -> None:
+            self.seen: list[Any] = []
+
+        def on_train_batch_start(self, trainer: Any, module: Any, *args: Any) -> None:
+            self.seen.append(module._current_fx_name)
+
+    names = HookNames()
+    module = tiny_dlrm()
+    monkeypatch.setattr(torch.nn.Module, "__setattr__", counted)
+    cpu_trainer(max_steps=3, limit_val_batches=0, callbacks=[names]).fit(
+        module, datamodule=tiny_data()
+    )
+    # Lightning still names each hook on the module (the installed version uses this name)...
+    assert names.seen == ["on_train_batch_start"] * 3
+    # ... without nn.Module's lookups, which everything else still goes through.
+    assert not PER_STEP_ATTRIBUTES & set(slow)
+    module.extra = torch.nn.Linear(2, 2)
+    module.scale = torch.nn.Parameter(torch.ones(1))
+    assert "extra" in dict(module.named_children()) and slow[-2:] == ["extra", "scale"]
+    assert "scale" in dict(module.named_parameters())
+    with pytest.raises(TypeError, match="cannot assign"):  # a module's own checks still hold
+        module.scale = torch.ones(1)
+
+
 class _Refreshes(Callback):
     """The bar's count after each training batch, and whether ``train/loss`` was fresh then."""
 

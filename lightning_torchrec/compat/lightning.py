@@ -21,6 +21,13 @@ from lightning.pytorch.strategies.launchers.multiprocessing import (
 )
 from typing_extensions import override
 
+#: The attributes Lightning sets on the LightningModule at every training step (lightning 2.0+):
+#: ``_current_fx_name`` before and after each hook call (44 times a step), a hook's name or None;
+#: and ``forward``, twice a step, when a wrapped model's ``training_step`` is reached through the
+#: wrapper's forward (``Strategy._forward_redirection``), a function. Never a parameter, buffer or
+#: submodule.
+PER_STEP_ATTRIBUTES = frozenset({"_current_fx_name", "forward"})
+
 
 def layer_sync(strategy: Any) -> Any:
     """The ``LayerSync`` plugin Lightning attaches for ``Trainer(sync_batchnorm=True)``.
