@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -58,6 +59,40 @@ def ratio_stats(num: Sequence[float], den: Sequence[float]) -> dict[str, float]:
     if s["n"]:
         out.update({"paired_median": s["median"], "paired_q1": s["q1"], "paired_q3": s["q3"]})
     return out
+
+
+def block_bootstrap_ratio(
+    blocks: Sequence[tuple[Sequence[float], Sequence[float]]],
+    rounds: int = 2000,
+    seed: int = 0,
+) -> dict[str, float]:
+    """95% interval of the ratio of medians, resampling whole paired blocks with replacement.
+
+    Steps of one block share a spell of the machine, so blocks (not steps) are the independent
+    units: each round draws as many ``(numerator steps, denominator steps)`` blocks as there are,
+    pools their steps, and takes the ratio of the two medians. The 2.5th and 97.5th percentiles
+    of the rounds bound the ratio the run measured; a goal inside them is not resolved by the run.
+
+    Args:
+        blocks: per block, its numerator (e.g. Lightning) and denominator (raw) step times.
+        rounds: resamples.
+        seed: of the resampling, so a result file can be recomputed.
+
+    Returns:
+        ``{"lo": ..., "hi": ..., "rounds": ...}``; empty without at least two blocks.
+    """
+    pairs = [(list(a), list(b)) for a, b in blocks if a and b]
+    if len(pairs) < 2:
+        return {}
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(rounds):
+        drawn = [pairs[rng.randrange(len(pairs))] for _ in pairs]
+        num = statistics.median(t for a, _ in drawn for t in a)
+        den = statistics.median(t for _, b in drawn for t in b)
+        ratios.append(num / den)
+    q = statistics.quantiles(ratios, n=40, method="inclusive")  # 2.5% steps
+    return {"lo": q[0], "hi": q[-1], "rounds": rounds}
 
 
 def machine() -> dict[str, Any]:
@@ -162,8 +197,17 @@ class CachedBatches(Dataset):
         return self.items[index]
 
 
-def fmt_ratio(value: float, goal: str) -> str:
-    """``1.013 (goal <= 1.02, met)`` style text."""
+def fmt_ratio(value: float, goal: str, interval: dict[str, float] | None = None) -> str:
+    """``1.013 (goal <= 1.02: met)`` style text.
+
+    With a 95% ``interval`` (:func:`block_bootstrap_ratio`) it is shown, and a goal inside it
+    is said to be within the run's noise.
+    """
     op, bound = goal.split()
     ok = value <= float(bound) if op == "<=" else value >= float(bound)
-    return f"{value:.3f} (goal {goal}: {'met' if ok else 'NOT met'})"
+    text = f"{value:.3f} (goal {goal}: {'met' if ok else 'NOT met'}"
+    if interval:
+        lo, hi = interval["lo"], interval["hi"]
+        inside = lo <= float(bound) <= hi
+        text += f"; 95% interval [{lo:.3f}, {hi:.3f}]" + (", goal inside it" if inside else "")
+    return text + ")"

@@ -24,7 +24,14 @@ from typing import Any
 import lightning as L
 import torch
 
-from benchmarks.common import RESULTS, ModelSize, ratio_stats, stats, write_result
+from benchmarks.common import (
+    RESULTS,
+    ModelSize,
+    block_bootstrap_ratio,
+    ratio_stats,
+    stats,
+    write_result,
+)
 from benchmarks.harness import (
     FUSED,
     SEED,
@@ -125,6 +132,7 @@ def fit(args: argparse.Namespace, size: ModelSize, lightning: str) -> dict[str, 
                 "lightning_step_s": stats(light_all),
                 "raw_step_s": stats(raw_all),
                 "step_time_ratio": ratio_stats(light_all, raw_all),
+                "step_time_ratio_95": block_bootstrap_ratio([(light[b], raw[b]) for b in common]),
                 "block_median_ratio": ratio_stats(
                     [stats(light[b])["median"] for b in common],
                     [stats(raw[b])["median"] for b in common],

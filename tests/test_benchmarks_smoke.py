@@ -87,7 +87,26 @@ def test_raw_loops_and_trainer_see_identical_losses(results: Path) -> None:
             for a in v["against"].values():
                 assert a["lightning_step_s"]["n"] > 0 and a["raw_step_s"]["n"] > 0
                 assert a["step_time_ratio"]["ratio_of_medians"] > 0
+                interval = a["step_time_ratio_95"]  # resampled when there are 2 blocks
+                blocks = -(-a["lightning_step_s"]["n"] // (r["block"] - 1))  # 1st steps dropped
+                assert bool(interval) is (blocks >= 2), (blocks, interval)
+                assert not interval or 0 < interval["lo"] <= interval["hi"]
     assert "## 1. Strategy overhead" in (results / "README.md").read_text()
+
+
+def test_the_block_bootstrap_bounds_the_ratio_it_resamples() -> None:
+    from benchmarks.common import block_bootstrap_ratio, fmt_ratio
+
+    exact = [([1.1 * t, 1.1 * t], [t, t]) for t in (1.0, 2.0, 3.0, 4.0)]
+    assert block_bootstrap_ratio(exact) == pytest.approx({"lo": 1.1, "hi": 1.1, "rounds": 2000})
+    assert block_bootstrap_ratio(exact[:1]) == {}  # one block: nothing to resample
+    # One slow spell hitting both loops of a block moves both: the interval stays narrow.
+    spells = [([1.03 * s, 1.01 * s], [s, 1.02 * s]) for s in (1.0, 1.5, 0.8, 2.0, 1.2, 0.9)]
+    interval = block_bootstrap_ratio(spells, seed=3)
+    assert interval == block_bootstrap_ratio(spells, seed=3)  # recomputable from the seed
+    assert 0.95 < interval["lo"] <= interval["hi"] < 1.1
+    assert "goal inside it" in fmt_ratio(1.02, "<= 1.02", {"lo": 1.0, "hi": 1.04})
+    assert fmt_ratio(1.05, "<= 1.02", {"lo": 1.03, "hi": 1.06}).endswith("[1.030, 1.060])")
 
 
 def test_callback_variants_all_measured(results: Path) -> None:
