@@ -13,7 +13,11 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torchmetrics.classification import BinaryAUROC
 
 from lightning_torchrec.checkpoint import load_unsharded
-from lightning_torchrec.compat.lightning import PER_STEP_ATTRIBUTES, progress_bar_refreshes
+from lightning_torchrec.compat.lightning import (
+    PER_STEP_ATTRIBUTES,
+    progress_bar_refreshes,
+    show_in_progress_bar,
+)
 from lightning_torchrec.models.model_and_loss import ModelAndLoss
 from lightning_torchrec.training.metrics import RecMetrics
 from lightning_torchrec.training.optim import combine_optimizers, dense_parameters
@@ -84,13 +88,13 @@ class TorchRecModule(L.LightningModule):
             over the ranks); None uses the trainer's ``log_every_n_steps``, 0 turns them off.
         train_loss_every_n_steps: steps between ``train/loss`` logs (Lightning's result
             collection costs every ``self.log``). None: at every step when something reads it
-            then: a progress bar that refreshes after the step (on the CPU only, and on the
-            rank that shows it; under ``TorchRecStrategy`` Lightning's default bar refreshes
-            at most every 0.1 s), a callback whose ``monitor`` is ``train/loss``, such as
-            ``ModelCheckpoint`` or ``EarlyStopping``, or an LR scheduler monitoring it;
-            else at the loggers' steps (``log_every_n_steps``) and the last step of the fit or
-            epoch; 1: every step (for a callback reading
-            ``trainer.callback_metrics["train/loss"]`` at every step).
+            then: a callback whose ``monitor`` is ``train/loss``, such as ``ModelCheckpoint``
+            or ``EarlyStopping``, or an LR scheduler monitoring it; else at the loggers' steps
+            (``log_every_n_steps``) and the last step of the fit or epoch; 1: every step (for a
+            callback reading ``trainer.callback_metrics["train/loss"]`` at every step). The
+            progress bar gets ``train/loss`` apart from these logs, without ``self.log``, at
+            the steps it refreshes after (on the CPU only, and on the rank that shows it; under
+            ``TorchRecStrategy`` Lightning's default bar refreshes at most every 0.1 s).
     """
 
     #: FLOPs of one training batch for Lightning's ``ThroughputMonitor``; None: not measured.
@@ -254,24 +258,26 @@ class TorchRecModule(L.LightningModule):
         return loss
 
     def _log_train_loss(self, loss: torch.Tensor, batch_size: int, batch_idx: int) -> None:
-        # In the progress bar only on the CPU (a refresh turns its values into Python numbers,
-        # which on CUDA waits for the GPU), and logged for it only on the rank that shows it,
-        # when it refreshes after this batch: the result collection costs every self.log.
+        # The progress bar shows the loss only on the CPU (a refresh turns its values into
+        # Python numbers, which on CUDA waits for the GPU), only on the rank that shows it, and
+        # only when it refreshes after this batch; it gets the number without self.log, whose
+        # result collection costs 0.75 ms a call. The loggers and monitors get it logged.
         trainer = self._trainer
         if trainer is None:
             self.log("train/loss", loss, batch_size=batch_size)
             return
         bar = trainer.progress_bar_callback
         shown = bar is not None and getattr(bar, "is_enabled", True)
-        shown = shown and loss.device.type == "cpu"
-        refresh = shown and progress_bar_refreshes(trainer, batch_idx)
-        if self._train_loss_due(trainer, batch_idx, refresh):
-            self.log("train/loss", loss, prog_bar=shown, batch_size=batch_size)
+        if shown and loss.device.type == "cpu" and loss.numel() == 1:
+            if progress_bar_refreshes(trainer, batch_idx):
+                show_in_progress_bar(trainer, "train/loss", float(loss.detach()))
+        if self._train_loss_due(trainer, batch_idx):
+            self.log("train/loss", loss, batch_size=batch_size)
 
-    def _train_loss_due(self, trainer: L.Trainer, batch_idx: int, in_bar: bool) -> bool:
+    def _train_loss_due(self, trainer: L.Trainer, batch_idx: int) -> bool:
         every = self.train_loss_every_n_steps
         if every is None:
-            if in_bar or monitored(trainer, "train/loss"):
+            if monitored(trainer, "train/loss"):
                 return True
             every = trainer.log_every_n_steps
         step = self.global_step + 1  # the optimizer step this batch makes
