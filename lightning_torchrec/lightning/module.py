@@ -266,11 +266,9 @@ class TorchRecModule(L.LightningModule):
         if trainer is None:
             self.log("train/loss", loss, batch_size=batch_size)
             return
-        bar = trainer.progress_bar_callback
-        shown = bar is not None and getattr(bar, "is_enabled", True)
-        if shown and loss.device.type == "cpu" and loss.numel() == 1:
-            if progress_bar_refreshes(trainer, batch_idx):
-                show_in_progress_bar(trainer, "train/loss", float(loss.detach()))
+        shown = loss.device.type == "cpu" and loss.numel() == 1
+        if shown and progress_bar_refreshes(trainer, batch_idx):  # False without a shown bar
+            show_in_progress_bar(trainer, "train/loss", float(loss.detach()))
         if self._train_loss_due(trainer, batch_idx):
             self.log("train/loss", loss, batch_size=batch_size)
 

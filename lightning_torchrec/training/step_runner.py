@@ -330,9 +330,9 @@ class StepRunner:
 
     def after_backward(self) -> None:
         """After the backward of a training step: semi-sync's table update of that batch."""
-        training = self.training
-        if isinstance(training, SemiSyncPipeline):  # sparse-dist has nothing to do here
-            self.collective(training.after_backward)
+        if self.updates_after_backward:  # sparse-dist has nothing to do here
+            assert self.training is not None
+            self.collective(self.training.after_backward)
 
     # ------------------------------------------------------------------ stages
     def start_fit(self) -> None:
