@@ -39,6 +39,7 @@ BENCHMARKS = [
     "semi_sync_gap",
     "data_loading",
     "export_cost",
+    "fork_race",
 ]
 
 
@@ -284,6 +285,33 @@ def semi_sync_table(out: Path) -> list[str]:
     return [*lines, ""]
 
 
+def fork_race_table(out: Path) -> list[str]:
+    """Children forked right after a gloo collective that never started (empty without it)."""
+    r = _load(out, "fork_race")
+    if not r:
+        return []
+    python = r["machine"]["python"]
+    lines = [
+        "## Loader workers forked next to gloo's threads",
+        "",
+        f"2 gloo ranks, Python {python}: each rank runs `all_gather_object` and starts a process "
+        "at once, as a `DataLoader` starts a worker, in alternating blocks of "
+        f"{r['block']} through multiprocessing's fork context and through `QuietForkContext` "
+        f"(the GIL released for {1e3 * r['quiet_s']:.0f} ms first). A child not finished "
+        f"within {r['limit_s']:.0f} s hung (python/cpython#112275, fixed in 3.12"
+        + ("" if r["affected_interpreter"] else "; this interpreter is not affected")
+        + ").",
+        "",
+        "| start | forks | hung | rate |",
+        "|---|---|---|---|",
+    ]
+    for mode, label in (("fork", "fork"), ("quiet_fork", "`QuietForkContext`")):
+        m = r["modes"][mode]
+        rate = f"1 in {m['forks'] / m['hung']:,.0f}" if m["hung"] else "0"
+        lines.append(f"| {label} | {m['forks']:,} | {m['hung']} | {rate} |")
+    return [*lines, ""]
+
+
 def phases_table(out: Path) -> list[str]:
     """Where a step's host time goes, phase by phase (empty without its result file)."""
     r = _load(out, "step_phases_cpu") or _load(out, "step_phases_cuda")
@@ -394,6 +422,7 @@ def table(out: Path) -> str:
     lines += phases_table(out)
     lines += vote_ahead_table(out)
     lines += semi_sync_table(out)
+    lines += fork_race_table(out)
     lines += gpu_table(out)
     lines += overhead_table(out)
     r = _load(out, "callback_cost")

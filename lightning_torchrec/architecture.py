@@ -50,7 +50,8 @@ LAYERS: tuple[Layer, ...] = (
         "compat",
         "every private or version-sensitive name of torch, TorchRec, fbgemm (``upstream``) and "
         "Lightning (``lightning``); TorchRec's train pipelines cut where a loop takes over "
-        "(``pipelines``); the upstream-only warnings, each with its cause (``upstream_warnings``)",
+        "(``pipelines``); the upstream-only warnings, each with its cause (``upstream_warnings``); "
+        "loader workers forked around CPython's fork deadlock before 3.12 (``worker_fork``)",
         ("errors",),
     ),
     Layer(

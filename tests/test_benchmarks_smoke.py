@@ -24,7 +24,7 @@ MULTI = [
     "pipeline_throughput",
     "step_phases",
 ]
-SINGLE = ["norm_throughput", "sampling_scale", "planner_scale"]
+SINGLE = ["norm_throughput", "sampling_scale", "planner_scale", "fork_race"]
 
 
 def _start(out: Path, names: list[str]) -> subprocess.Popen:
@@ -201,3 +201,12 @@ def test_markdown_table_has_every_section(results: Path) -> None:
     ):
         assert section in text
     assert "NaN" not in text and "nan" not in text.split()
+
+
+def test_children_forked_after_a_collective_all_start(results: Path) -> None:
+    r = _load(results, "fork_race")
+    for mode in ("fork", "quiet_fork"):
+        assert r["modes"][mode]["forks"] == 2 * r["forks_per_mode_and_rank"]
+        assert r["modes"][mode]["failed"] == 0
+    assert r["modes"]["quiet_fork"]["hung"] == 0
+    assert "Loader workers forked next to gloo's threads" in (results / "README.md").read_text()

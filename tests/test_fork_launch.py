@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from lightning_torchrec.compat.worker_fork import AFFECTED
 from tests.helpers import load_ranks, run_script
 
 
@@ -20,4 +21,8 @@ def test_loaders_fork_workers_after_a_pipelined_fit_without_hanging(tmp_path: Pa
     # 12 rounds of: a pipelined fit, then a fit and a validate whose loaders fork 2 workers each,
     # in one 2-rank process pair. A hang fails at the timeout instead of blocking the suite.
     run_script("fork_after_pipeline.py", str(tmp_path), "12", timeout=420)
-    assert [r["rounds"] for r in load_ranks(tmp_path, "fork")] == [12, 12]
+    ranks = load_ranks(tmp_path, "fork")
+    assert [r["rounds"] for r in ranks] == [12, 12]
+    # Every loader forked its workers only after gloo's threads could give the GIL back.
+    quiet = ["QuietForkContext"] if AFFECTED else ["NoneType"]
+    assert [r["contexts"] for r in ranks] == [quiet, quiet]

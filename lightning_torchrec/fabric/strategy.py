@@ -28,6 +28,7 @@ from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from typing_extensions import override
 
+from lightning_torchrec.compat.worker_fork import fork_safely
 from lightning_torchrec.distributed import init_elastic_group, run_collective, shutdown_at_exit
 from lightning_torchrec.fabric.checkpointing import FabricCheckpointing
 from lightning_torchrec.fabric.checks import adopt_sharded_parameters, check_fabric_precision
@@ -286,6 +287,11 @@ class TorchRecFabricStrategy(FabricCheckpointing, DDPStrategy):
             for o in optimizers
         ]
         return dmp, [self.setup_optimizer(o) for o in combined], scheduler
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        fork_safely(dataloader)  # forked workers start after gloo's threads gave the GIL back
+        return dataloader
 
     # ------------------------------------------------------------------ the step
     def _before_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_torchrec.compat.worker_fork import fork_safely
 from lightning_torchrec.distributed import run_collective
 from lightning_torchrec.errors import StopRequested
 from lightning_torchrec.sharding.tables import FeatureSpec
@@ -143,6 +144,9 @@ class StepRunner:
     def feed(self, loader: Any, training: bool) -> Any:
         """Prepares a dataloader: checks in its workers, and reads ahead for the pipeline.
 
+        Its workers, when forked, start after gloo's threads gave the GIL back
+        (:func:`~lightning_torchrec.compat.worker_fork.fork_safely`).
+
         Args:
             loader: a training or evaluation dataloader.
             training: whether it is the training dataloader.
@@ -150,6 +154,7 @@ class StepRunner:
         Returns:
             The loader to iterate (wrapped when the stage runs a pipeline).
         """
+        fork_safely(loader)
         if self.guard.validate_batches is not False:
             guard = self.guard
             check_in_workers(loader, guard.specs, guard.dense_width, str(guard.token))

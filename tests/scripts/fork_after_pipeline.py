@@ -4,7 +4,8 @@ two workers, ``ROUNDS`` times in one process pair (run as a script; Lightning re
 Before the fix, a loader forking its workers after a pipelined fit hung about one run in three:
 the dropped pipeline's process-group handles were finalized by a garbage collection in the forked
 worker, where ProcessGroupGloo's destructor waits for threads the fork did not copy. Writes
-``fork_rank{r}.pt`` (the rounds completed) into argv[1].
+``fork_rank{r}.pt`` (the rounds completed, and the multiprocessing contexts the forking loaders
+ended with) into argv[1].
 """
 
 from __future__ import annotations
@@ -34,10 +35,13 @@ def fit(pipeline: str | None, workers: int):  # noqa: ANN201
 
 
 if __name__ == "__main__":
-    done = 0
+    done, contexts = 0, set()
     for _ in range(ROUNDS):
         fit("sparse_dist", workers=0)
         trainer, model = fit(None, workers=2)
+        contexts.add(type(trainer.train_dataloader.multiprocessing_context).__name__)
         trainer.validate(model, datamodule=data(2), verbose=False)
+        contexts.add(type(trainer.val_dataloaders.multiprocessing_context).__name__)
         done += 1
-    torch.save({"rounds": done}, OUT / f"fork_rank{trainer.global_rank}.pt")
+    saved = {"rounds": done, "contexts": sorted(contexts)}
+    torch.save(saved, OUT / f"fork_rank{trainer.global_rank}.pt")
