@@ -289,6 +289,50 @@ def test_only_lightnings_default_bar_is_throttled(monkeypatch: pytest.MonkeyPatc
     assert "_should_update" not in vars(bar)
 
 
+class _ProfileSeen(Callback):
+    """What the Trainer's profiler gives for a hook's context, seen inside a training step."""
+
+    def __init__(self) -> None:
+        self.contexts: list[Any] = []
+
+    def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+        with trainer.profiler.profile("[Callback]probe") as name:
+            self.contexts.append((type(trainer.profiler.profile("x")).__name__, name))
+
+
+def test_the_default_profiler_does_no_work_per_hook_and_others_still_record_every_hook() -> None:
+    import lightning as L
+    from lightning.pytorch.profilers import PassThroughProfiler, SimpleProfiler
+
+    from lightning_torchrec import TorchRecStrategy
+    from tests.scripts.factory import QUIET, table_wise, tiny_data, tiny_dlrm
+
+    def fit(profiler: Any) -> tuple[L.Trainer, list[Any]]:
+        seen = _ProfileSeen()
+        trainer = L.Trainer(
+            strategy=TorchRecStrategy(constraints=table_wise(2), log_plan=False),
+            devices=1,
+            max_steps=3,
+            limit_val_batches=0,
+            callbacks=[seen],
+            profiler=profiler,
+            **QUIET,
+        )
+        trainer.fit(tiny_dlrm(), datamodule=tiny_data(train_batches=6))
+        return trainer, seen.contexts
+
+    trainer, contexts = fit(None)
+    assert type(trainer.profiler) is PassThroughProfiler
+    assert contexts == [("nullcontext", "[Callback]probe")] * 3  # the name still yielded
+    assert "profile" not in vars(trainer.profiler)  # undone in teardown
+    simple = SimpleProfiler()
+    trainer, contexts = fit(simple)
+    assert {kind for kind, _ in contexts} == {"_GeneratorContextManager"}
+    hooks = simple.recorded_durations
+    assert len(hooks["[Strategy]TorchRecStrategy.training_step"]) == 3
+    assert len(hooks["[Callback]probe"]) == 3
+
+
 class _LossSeen(Callback):
     """Each step's returned loss, and the ``train/loss`` the Trainer holds after it."""
 

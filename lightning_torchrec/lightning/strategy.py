@@ -29,9 +29,9 @@ from typing_extensions import override
 from lightning_torchrec.compat.lightning import (
     ResultsOnlyLaunching,
     layer_sync,
+    lighter_defaults,
     model_kept_in_place,
     process_group_backend,
-    throttle_progress_bar,
 )
 from lightning_torchrec.distributed import init_elastic_group, shutdown_at_exit
 from lightning_torchrec.lightning.checkpoint_hooks import ShardedCheckpointing
@@ -291,7 +291,7 @@ class TorchRecStrategy(
         super(DDPStrategy, self).setup(trainer)
         # Lightning's SLURM requeue saves inside its signal handler; save between steps instead.
         add_slurm_requeue(trainer, self.cluster_environment)
-        self._undo_bar = throttle_progress_bar(trainer)  # no refresh at every short step
+        self._undo_bar = lighter_defaults(trainer)  # no bar refresh nor profiler work per step
 
     @override
     def model_to_device(self) -> None:
