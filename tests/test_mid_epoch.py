@@ -200,7 +200,9 @@ def test_two_ranks_resume_a_shuffled_dataloader_mid_epoch_bit_exact(
     assert sorted(full[0]["steps"]) == list(range(1, 13))
     assert full[0]["steps"][1]["ids"] != full[1]["steps"][1]["ids"]  # each rank its own
     assert full[0]["steps"][1]["ids"] != full[0]["steps"][7]["ids"]  # epochs shuffled apart
-    for step, run in ((4, "resume4"), (8, "resume8")):
+    # resume_cut: the checkpoint of a fit stopped by max_steps=3, saved after Lightning had
+    # ended the cut epoch as though it were over, resumes inside that epoch
+    for step, run in ((4, "resume4"), (8, "resume8"), (3, "resume_cut")):
         res = load_ranks(out, run)
         for rank in range(2):
             steps = res[rank]["steps"]

@@ -17,7 +17,7 @@ import logging
 import warnings
 from typing import Any
 
-from lightning_torchrec.compat.lightning import processed_epochs
+from lightning_torchrec.compat.lightning import epoch_running, processed_epochs, reopen_cut_epoch
 from lightning_torchrec.compat.upstream import drop_persistent_iterator
 from lightning_torchrec.data.mid_epoch import skip_batches
 from lightning_torchrec.data.resumable import trainer_position
@@ -37,17 +37,44 @@ def epoch_position(trainer: Any) -> dict[str, int] | None:
 
     Returns:
         ``{"epoch": e, "batches": k}``: ``k`` batches of epoch ``e`` were trained on, 0 when
-        none or all were; None without a trainer.
+        none or all were; None without a trainer. A fit stopped within epoch ``e``
+        (``max_steps``, ``should_stop``) has processed that epoch's end, but its ``k`` batches
+        still belong to ``e``.
     """
     if trainer is None:
         return None
     batches = trainer_position(trainer)
     assert batches is not None
-    total = trainer.num_training_batches
-    return {
-        "epoch": processed_epochs(trainer),
-        "batches": batches if 0 < batches < total else 0,
-    }
+    cut = 0 < batches < trainer.num_training_batches
+    epoch = processed_epochs(trainer)
+    if cut and not epoch_running(trainer):
+        epoch -= 1  # the epoch was cut short, and Lightning ended it
+    return {"epoch": epoch, "batches": batches if cut else 0}
+
+
+def reopen(checkpoint: dict[str, Any], position: dict[str, int] | None) -> dict[str, int] | None:
+    """Resumes a checkpoint saved after a fit stopped within an epoch inside that epoch.
+
+    Lightning ends an epoch cut short (``max_steps``, ``should_stop``) as though it were over,
+    so a checkpoint saved then would resume at the next epoch and never train the rest of the
+    cut one. Its loop state is made Lightning's own mid-epoch state
+    (:func:`~lightning_torchrec.compat.lightning.reopen_cut_epoch`), so the resumed run finishes
+    the epoch, skipping the batches trained on as after any mid-epoch checkpoint.
+
+    Args:
+        checkpoint: Lightning's checkpoint dict (as loaded), rewritten in place.
+        position: from :func:`saved_position`.
+
+    Returns:
+        The position to resume from.
+    """
+    if position is None or position["batches"] == 0:
+        return position
+    epoch = reopen_cut_epoch(checkpoint)
+    if epoch is None:
+        return position
+    log.info("reopening epoch %d, cut short after %d batches", epoch, position["batches"])
+    return {"epoch": epoch, "batches": position["batches"]}
 
 
 def saved_position(checkpoint: dict[str, Any]) -> dict[str, int] | None:

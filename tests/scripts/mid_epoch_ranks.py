@@ -8,7 +8,9 @@ drop_last=True, num_workers=2, persistent_workers=True)`` (Lightning puts a shuf
 1. ``full``: uninterrupted, ``pipeline="sparse_dist"`` (it reads a batch ahead of the step),
    a checkpoint every ``EVERY`` steps;
 2. ``resume4``: a fresh model and trainer resume from the step-4 checkpoint (mid first epoch);
-3. ``resume8``: the same from step 8 (mid second epoch), pipelined.
+3. ``resume8``: the same from step 8 (mid second epoch), pipelined;
+4. ``cut``: a fit stopped by ``max_steps=CUT`` (mid first epoch, which Lightning ends as though
+   it were over), then ``trainer.save_checkpoint``; ``resume_cut`` resumes from that.
 
 Each rank writes ``{run}_rank{r}.pt``: every step's loss and sample ids, its local tables and
 dense weights at the end. Every ``__getitem__`` call appends the sample id to
@@ -33,7 +35,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from lightning_torchrec import Batch, TorchRecStrategy
 
 OUT = Path(sys.argv[1])
-ROWS, SAMPLES, BATCH, EVERY, EPOCHS = 40, 50, 4, 4, 2
+ROWS, SAMPLES, BATCH, EVERY, EPOCHS, CUT = 40, 50, 4, 4, 2, 3
 
 
 class Samples(Dataset):
@@ -79,7 +81,12 @@ class Recorder(Callback):
         }
 
 
-def run(tag: str, ckpt_path: Path | None = None, pipeline: str | None = None) -> None:
+def run(
+    tag: str,
+    ckpt_path: Path | None = None,
+    pipeline: str | None = None,
+    max_steps: int = -1,
+) -> L.Trainer:
     L.seed_everything(3)
     loader = DataLoader(
         Samples(tag),
@@ -93,7 +100,7 @@ def run(tag: str, ckpt_path: Path | None = None, pipeline: str | None = None) ->
     model = tiny_dlrm(ROWS, 2, embedding_dim=4, dense_sizes=[8, 4], num_dense_features=13)
     recorder = Recorder()
     callbacks: list[Callback] = [recorder]
-    if ckpt_path is None:
+    if ckpt_path is None and max_steps < 0:
         callbacks.append(
             ModelCheckpoint(dirpath=OUT / "ckpts", every_n_train_steps=EVERY, save_top_k=-1)
         )
@@ -101,9 +108,10 @@ def run(tag: str, ckpt_path: Path | None = None, pipeline: str | None = None) ->
         TorchRecStrategy(constraints=table_wise(2), pipeline=pipeline),  # type: ignore[arg-type]
         devices=2,
         max_epochs=EPOCHS,
+        max_steps=max_steps,
         limit_val_batches=0,
         callbacks=callbacks,
-        enable_checkpointing=ckpt_path is None,
+        enable_checkpointing=len(callbacks) > 1,
         default_root_dir=OUT,
     )
     trainer.fit(model, train_dataloaders=loader, ckpt_path=ckpt_path)
@@ -113,6 +121,7 @@ def run(tag: str, ckpt_path: Path | None = None, pipeline: str | None = None) ->
         "state": local_view(model.state_dict()),
     }
     torch.save(info, OUT / f"{tag}_rank{trainer.global_rank}.pt")
+    return trainer
 
 
 def main() -> None:
@@ -122,6 +131,8 @@ def main() -> None:
     (ckpt8,) = (OUT / "ckpts").glob("*step=8.ckpt")
     run("resume4", ckpt4)
     run("resume8", ckpt8, pipeline="sparse_dist")
+    run("cut", max_steps=CUT).save_checkpoint(OUT / "cut.ckpt")
+    run("resume_cut", OUT / "cut.ckpt")
 
 
 if __name__ == "__main__":
