@@ -219,3 +219,41 @@ def test_two_ranks_resume_a_shuffled_dataloader_mid_epoch_bit_exact(
             trained = Counter(i for s in steps.values() for i in s["ids"])
             assert calls(out, run, rank) == trained, (run, rank)
     assert "not resumable" not in stderr and "replays" not in stderr
+
+
+def _loops(epoch: dict[str, int], batch: dict[str, int], stepped: int) -> dict[str, Any]:
+    fit = {
+        "epoch_progress": {"total": dict(epoch), "current": dict(epoch)},
+        "epoch_loop.batch_progress": {
+            "total": dict(batch),
+            "current": dict(batch),
+            "is_last_batch": False,
+        },
+        "epoch_loop.state_dict": {"_batches_that_stepped": stepped},
+    }
+    return {"epoch": epoch["completed"], "loops": {"fit_loop": fit}}
+
+
+def test_a_cut_epoch_gets_lightnings_mid_epoch_loop_state_and_nothing_else_is_touched() -> None:
+    from lightning_torchrec.compat.lightning import reopen_cut_epoch
+
+    ended = {"ready": 1, "started": 1, "processed": 1, "completed": 1}
+    batches = {"ready": 6, "started": 6, "processed": 6, "completed": 6}
+    checkpoint = _loops(ended, batches, 6)
+    assert reopen_cut_epoch(checkpoint) == 0
+    # what Lightning itself saves at on_train_batch_end of the epoch's 6th batch
+    within = {"ready": 1, "started": 1, "processed": 0, "completed": 0}
+    assert checkpoint == _loops(within, batches | {"completed": 5}, 5)
+    # saved within an epoch already, at a finished epoch's last batch, or of another layout
+    for other in (
+        _loops(within, batches | {"completed": 5}, 5),
+        {"loops": {"fit_loop": {"epoch_progress": "?"}}},
+        {"loops": {"fit_loop": _loops(ended, batches, "six")["loops"]["fit_loop"]}},
+        {},
+    ):
+        kept = repr(other)
+        assert reopen_cut_epoch(other) is None
+        assert repr(other) == kept
+    last = _loops(ended, batches, 6)
+    last["loops"]["fit_loop"]["epoch_loop.batch_progress"]["is_last_batch"] = True
+    assert reopen_cut_epoch(last) is None
