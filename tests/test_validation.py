@@ -62,6 +62,43 @@ def test_negative_float_and_mismatched_ids() -> None:
     assert "negative length" in check(batch(lengths=torch.tensor([2, -1, 2, 1])))
 
 
+def test_lengths_per_feature_keys_dtypes_and_weights_each_give_a_named_error() -> None:
+    from lightning_torchrec.training.batch_checks import check_batch
+
+    # one sample's length left out: the lengths still sum to the number of ids
+    msg = check(batch(values=torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1, 1])))
+    assert "['cat_0', 'cat_1'] have 3 lengths for 2 features" in msg
+    assert "appear twice" in check(batch(keys=["cat_0", "cat_0"]))
+    assert "dtype torch.uint8" in check(batch(values=torch.tensor([1, 2, 3, 4]).byte()))
+    weighted = {
+        k: FeatureSpec(k, spec.table, spec.num_embeddings, True) for k, spec in SPECS.items()
+    }
+    good = batch()
+    kjt = good.sparse_features
+    for weights, found in (
+        (torch.ones(3), "carry 3 weights for 4 ids"),
+        (torch.tensor([1.0, float("nan"), 1.0, 1.0]), "non-finite weight nan of id 1"),
+    ):
+        bad = KeyedJaggedTensor(kjt.keys(), kjt.values(), weights, kjt.lengths())
+        with pytest.raises(BatchValidationError, match=found):
+            validate_batch(Batch(good.dense_features, bad, good.labels), weighted, 3)
+    ok = KeyedJaggedTensor(kjt.keys(), kjt.values(), torch.ones(4), kjt.lengths())
+    validate_batch(Batch(good.dense_features, ok, good.labels), weighted, 3)
+
+    # a batch whose own methods fail is a verdict too (agreed across ranks), not a crash
+    def broken() -> None:
+        raise RuntimeError("shape '[2, 7]' is invalid for input of size 15")
+
+    odd = batch(values=torch.tensor([1, 2, 3, 30]))  # out of range: the per-key counts are read
+    odd.sparse_features.length_per_key = broken  # type: ignore[method-assign]
+    verdict = check_batch(odd, SPECS, 3, "rank 1, step 2")
+    assert verdict is not None
+    assert str(verdict) == (
+        "rank 1, step 2: the batch could not be read: RuntimeError: shape '[2, 7]' is invalid "
+        "for input of size 15"
+    )
+
+
 def test_unknown_and_missing_keys() -> None:
     msg = check(batch(keys=["cat_0", "cat_9"]))
     assert "['cat_9'] are read by no table" in msg

@@ -82,14 +82,22 @@ def kjts_of(batch: Any) -> list[Any]:
 def _check_kjt(kjt: Any, specs: Mapping[str, FeatureSpec]) -> None:
     keys = list(kjt.keys())
     values, lengths = kjt.values(), kjt.lengths()
-    if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+    if values.dtype not in (torch.int64, torch.int32):
         raise BatchValidationError(
-            f"sparse features {keys} hold ids of dtype {values.dtype}; ids must be integers "
-            "(torch.int64 or torch.int32). Convert them in the dataset, not by casting floats."
+            f"sparse features {keys} hold ids of dtype {values.dtype}; ids must be "
+            "torch.int64 or torch.int32. Convert them in the dataset, not by casting floats."
         )
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise BatchValidationError(f"sparse feature(s) {twice} appear twice in {keys}")
     if lengths.numel() and int(lengths.min()) < 0:
         bag = int(torch.nonzero(lengths < 0)[0])
         raise BatchValidationError(f"negative length {int(lengths[bag])} in bag {bag} of {keys}")
+    if keys and not kjt.variable_stride_per_key() and lengths.numel() != len(keys) * kjt.stride():
+        raise BatchValidationError(
+            f"sparse features {keys} have {lengths.numel()} lengths for {len(keys)} features of "
+            f"{kjt.stride()} samples: each feature needs one length per sample (0 for no ids)."
+        )
     total = int(lengths.sum())
     if total != values.numel():
         raise BatchValidationError(
@@ -97,12 +105,22 @@ def _check_kjt(kjt: Any, specs: Mapping[str, FeatureSpec]) -> None:
             f"{values.numel()} ids: lengths and values do not match."
         )
     weighted = [k for k in keys if specs[k].weighted]
-    if weighted and kjt.weights_or_none() is None:
+    weights = kjt.weights_or_none()
+    if weighted and weights is None:
         tables = sorted({specs[k].table for k in weighted})
         raise BatchValidationError(
             f"sparse feature(s) {weighted} are read by weighted table(s) {tables} "
             "(EmbeddingBagCollection(is_weighted=True)), but the KeyedJaggedTensor carries no "
             "weights: build it with weights=..., or make the collection unweighted."
+        )
+    if weights is not None and weights.numel() != values.numel():
+        raise BatchValidationError(
+            f"sparse features {keys} carry {weights.numel()} weights for {values.numel()} ids"
+        )
+    if weighted and weights is not None and not math.isfinite(float(weights.sum())):
+        pos = int(torch.nonzero(~torch.isfinite(weights))[0])
+        raise BatchValidationError(
+            f"non-finite weight {float(weights[pos])} of id {pos} of sparse features {keys}"
         )
     if not keys or values.numel() == 0:
         return
@@ -281,8 +299,31 @@ def check_batch(
     Returns:
         The error naming ``where``, or None for a good batch.
     """
+    problem = batch_problem(batch, specs, num_dense_features)
+    return None if problem is None else BatchValidationError(f"{where}: {problem}")
+
+
+def batch_problem(
+    batch: Any, specs: Mapping[str, FeatureSpec], num_dense_features: int | None
+) -> str | None:
+    """What :func:`validate_batch` finds wrong with ``batch``, or None.
+
+    A batch so malformed that reading it fails (a ``KeyedJaggedTensor`` whose own methods
+    raise, a field of the wrong type) is a bad batch too: its error is returned with its type,
+    so that every rank can agree on it rather than one rank raising alone.
+
+    Args:
+        batch: the batch.
+        specs: from :func:`~lightning_torchrec.sharding.tables.feature_specs`.
+        num_dense_features: expected dense width, or None.
+
+    Returns:
+        The problem, or None for a good batch.
+    """
     try:
         validate_batch(batch, specs, num_dense_features)
     except BatchValidationError as e:
-        return BatchValidationError(f"{where}: {e}")
+        return str(e)
+    except (RuntimeError, ValueError, TypeError, IndexError, AttributeError) as e:
+        return f"the batch could not be read: {type(e).__name__}: {e}"
     return None

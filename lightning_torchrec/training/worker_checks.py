@@ -19,9 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from lightning_torchrec.errors import BatchValidationError
 from lightning_torchrec.sharding.tables import FeatureSpec
-from lightning_torchrec.training.batch_checks import validate_batch
+from lightning_torchrec.training.batch_checks import batch_problem
 
 #: The instance attribute of a batch holding ``(token, message or None)``.
 VERDICT_ATTRIBUTE = "lightning_torchrec_batch_verdict"
@@ -62,11 +61,7 @@ class CheckingCollate:
             The collated batch.
         """
         batch = self.collate(samples)
-        try:
-            validate_batch(batch, self.specs, self.dense_width)
-            problem = None
-        except BatchValidationError as e:
-            problem = str(e)
+        problem = batch_problem(batch, self.specs, self.dense_width)
         attributes = getattr(batch, "__dict__", None)
         if isinstance(attributes, dict):
             attributes[VERDICT_ATTRIBUTE] = (self.token, problem)
