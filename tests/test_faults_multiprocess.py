@@ -39,7 +39,7 @@ def phases(preempted: tuple[Path, Any]) -> Path:
     [
         # The default on 2 CPU ranks, pipelined: batch 2 travels during step 1, so it is checked
         # during step 0 (the vote ahead) and refused after it.
-        ("bad_id", "batch 2 of the epoch (checked at step 1, before the train pipeline", 1),
+        ("bad_id", "batch 2 of the epoch (checked at step 1, before the pipeline", 1),
         # Unpipelined: checked during step 1, refused after it.
         ("bad_id_plain", "rank 1, step 2", 2),
     ],

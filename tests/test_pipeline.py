@@ -120,3 +120,17 @@ def test_a_model_the_pipeline_cannot_trace_trains_unpipelined() -> None:
         trainer.fit(model, datamodule=tiny_data())
     assert trainer.global_step == 3
     assert strategy._runner.training is None
+
+
+def test_semi_sync_refuses_tables_the_dense_optimizer_updates_naming_them() -> None:
+    from tests.scripts.factory import sharding_constraints, tiny_dlrm
+
+    # The planner's choice for small tables on CPU; semi-sync looks the next batch up before
+    # this one's update, which fails in autograd for tables updated in place after it.
+    constraints = sharding_constraints({"t_cat_0": "table_wise", "t_cat_1": "data_parallel"})
+    strategy = TorchRecStrategy(constraints=constraints, pipeline="semi_sync")
+    trainer = L.Trainer(strategy=strategy, devices=1, max_steps=2, **QUIET)
+    with pytest.raises(ValueError) as err:
+        trainer.fit(tiny_dlrm(), datamodule=tiny_data())
+    assert "the dense optimizer: ['t_cat_1 (data_parallel, kernel dense)']" in str(err.value)
+    assert trainer.global_step == 0

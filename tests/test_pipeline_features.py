@@ -47,6 +47,9 @@ def test_a_nan_loss_on_one_rank_stops_both(run: Path, pipeline: str) -> None:
     for r in load_ranks(run, f"{pipeline}_nan_loss"):
         assert r["error"] == "NonFiniteLossError"
         assert "global step 3 on rank(s) [1]" in r["message"]
+    # the step-3 checkpoint was written; the one after the NaN step's update was not
+    kept = sorted(p.name for p in (run / f"{pipeline}_nan_ckpts").iterdir())
+    assert kept[-1] == "epoch=0-step=3.ckpt", kept
 
 
 @pytest.mark.parametrize("pipeline", PIPELINES)
@@ -54,6 +57,12 @@ def test_uneven_data_is_refused_on_every_rank(run: Path, pipeline: str) -> None:
     for r in load_ranks(run, f"{pipeline}_uneven"):
         assert r["error"] == "UnevenDataError"
         assert "(rank 0: 8, rank 1: 7)" in r["message"]
+    # Without lengths: found at the step whose progress() would send rank 0's batch 6 (semi-sync
+    # sends two ahead, so one step earlier), on every rank, naming rank 1's count.
+    for r in load_ranks(run, f"{pipeline}_uneven_stream"):
+        assert r["error"] == "UnevenDataError"
+        assert "rank(s) [1] have 6, rank(s) [0] have more" in r["message"]
+        assert r["global_step"] == (5 if pipeline == "sparse_dist" else 4)
 
 
 def test_lr_schedule_and_norm_callbacks_see_the_same_run_through_sparse_dist(run: Path) -> None:

@@ -103,6 +103,14 @@ def test_uneven_iterable_data_stops_every_rank_at_the_short_ranks_last_batch(run
         assert r["seconds"] < PHASE_TIMEOUT_S
 
 
+def test_uneven_iterable_validation_is_refused_with_the_batch_checks_off(run: Path) -> None:
+    r0, r1 = load_ranks(run, "uneven_val_unchecked")
+    assert r0["error"] == r1["error"] == "UnevenDataError"
+    for r in (r0, r1):
+        assert "validation batches in this epoch: rank(s) [1] have 2" in r["message"]
+        assert r["seconds"] < PHASE_TIMEOUT_S
+
+
 def test_a_second_fit_on_the_same_module_trains(run: Path) -> None:
     for r in load_ranks(run, "refit"):
         assert r["error"] is None, r.get("trace")

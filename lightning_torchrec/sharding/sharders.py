@@ -142,3 +142,35 @@ def has_fused_tables(plan: ShardingPlan) -> bool:
         for module_plan in plan.plan.values()
         for ps in module_plan.values()  # type: ignore[attr-defined]
     )
+
+
+def check_semi_sync_plan(plan: ShardingPlan | None) -> None:
+    """Refuses a plan that TorchRec's semi-synchronous pipeline cannot train.
+
+    The pipeline looks batch ``i + 1``'s embeddings up before batch ``i``'s update; only fused
+    tables (updated inside their backward) allow that. A table with another kernel (every
+    ``data_parallel`` table, which the planner picks for small tables on CPU) is updated in
+    place by the dense optimizer after the look-up, and the next backward fails in autograd.
+
+    Args:
+        plan: the model's sharding plan (``DistributedModelParallel.plan``), or None.
+
+    Raises:
+        ValueError: naming every table that is not fused, with its sharding type and kernel.
+    """
+    if plan is None:
+        return
+    unfused = sorted(
+        f"{table} ({ps.sharding_type}, kernel {ps.compute_kernel})"
+        for module_plan in plan.plan.values()
+        for table, ps in module_plan.items()  # type: ignore[attr-defined]
+        if ps.compute_kernel not in FUSED_KERNELS
+    )
+    if unfused:
+        raise ValueError(
+            "pipeline='semi_sync' looks each batch's embeddings up before the previous batch's "
+            "update, which only fused tables allow, but the plan leaves these tables to the "
+            f"dense optimizer: {unfused}. Constrain them to a sharded type with the fused "
+            "kernel, e.g. constraints={table: ParameterConstraints(sharding_types="
+            "['table_wise'], compute_kernels=['fused'])}, or use pipeline='sparse_dist'."
+        )

@@ -106,6 +106,8 @@ class Lookahead:
         self._steps = 0
         self._unchecked: list[tuple[int, Any]] = []
         self._first_index: int | None = None
+        #: Whether :meth:`ahead` found the epoch's end (fewer batches than it reads ahead).
+        self.exhausted = False
 
     def __iter__(self) -> Lookahead:
         return self
@@ -140,6 +142,7 @@ class Lookahead:
             try:
                 batch = next(self._batches)
             except StopIteration:
+                self.exhausted = True
                 break
             self._buffer.append(batch)
             self._unchecked.append((self._read, batch))

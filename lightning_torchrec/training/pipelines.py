@@ -238,6 +238,11 @@ class SparseDistPipeline:
             return []
         return self._iterator.ahead(self.depth, batch_idx)
 
+    @property
+    def exhausted(self) -> bool:
+        """Whether the epoch ended within the batches :meth:`ahead` read."""
+        return self._iterator is not None and self._iterator.exhausted
+
     def feed(self, loader: Any) -> PipelineFeed:
         """Wraps a training dataloader so the pipeline reads its batches ahead.
 

@@ -123,7 +123,7 @@ class StepGuard:
             found = self._check(
                 early,
                 f"rank {rank}, batch {index} of the epoch (checked at {where}, before the "
-                "train pipeline sends it ahead)",
+                "pipeline sends it ahead)",
             )
             if found is not None:
                 return found
@@ -225,8 +225,8 @@ class StepGuard:
             UnevenDataError: on every rank when only some ranks are at their last batch.
         """
         self.decide_ahead()  # a stop request it carries is made again at the next step
-        if self._checks(batch_idx):
-            verdict = self._verdict(batch, f"{stage} batch {batch_idx}", ahead)
+        if (checked := self._checks(batch_idx)) or self._mode == "raise":  # any check: a vote
+            verdict = self._verdict(batch, f"{stage} batch {batch_idx}", ahead) if checked else None
             (ranks,) = self._agree(verdict, flags=[last])
             check_even(ranks, stage, batch_idx)
 

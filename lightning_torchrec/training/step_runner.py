@@ -29,6 +29,7 @@ from torch import nn
 from lightning_torchrec.compat.worker_fork import fork_safely
 from lightning_torchrec.distributed import run_collective
 from lightning_torchrec.errors import StopRequested
+from lightning_torchrec.sharding.sharders import check_semi_sync_plan
 from lightning_torchrec.sharding.tables import FeatureSpec
 from lightning_torchrec.training.pipeline_feed import Peek, PipelineFeed
 from lightning_torchrec.training.pipelines import SemiSyncPipeline, SparseDistPipeline
@@ -94,6 +95,8 @@ class StepRunner:
     ) -> None:
         if batch_checks not in BATCH_CHECKS:
             raise ValueError(f"batch_checks must be one of {BATCH_CHECKS}, got {batch_checks!r}")
+        if pipeline == "semi_sync":
+            check_semi_sync_plan(getattr(model, "plan", None))
         deferred = batch_checks == "next_step" or (batch_checks == "auto" and device.type == "cuda")
         self.model, self.device = model, device
         self.pipeline, self.start_batch, self.asked = pipeline, start_batch, asked
@@ -241,8 +244,9 @@ class StepRunner:
         stopping = self.collective(guard.decide_ahead) or []  # normally decided already
         if not covered:  # no vote ahead decided this batch: vote now
             ahead = pipeline.ahead(batch_idx) if pipeline is not None else None
+            at, end = _ending(pipeline, batch_idx, last)
             stopping = self.collective(
-                guard.before_training_step, host, step, batch_idx, last, ahead, batch, stop
+                guard.before_training_step, host, step, at, end, ahead, batch, stop
             )
         if stopping:
             raise StopRequested(stopping)
@@ -265,7 +269,8 @@ class StepRunner:
         # The batches the next step's progress() sends early, read and checked now.
         ahead = [] if last else pipeline.ahead(batch_idx + 1)
         error = self.guard.verdict_of(None, step + 1, ahead) if ahead else None
-        self.collective(self.guard.vote_ahead, error, batch_idx, last, stop)
+        at, ending = _ending(pipeline, batch_idx, last, 1)
+        self.collective(self.guard.vote_ahead, error, at, ending, stop)
         self._covered = None if last else batch_idx + 1
 
     def _vote_next(self, step: int, batch_idx: int, last: bool, stop: bool) -> None:
@@ -316,7 +321,8 @@ class StepRunner:
         host = self._checked(batch)
         pipeline = self.evaluation
         ahead = pipeline.ahead(batch_idx) if pipeline is not None else None
-        self.collective(self.guard.before_eval_step, host, stage, batch_idx, last, ahead)
+        at, ending = _ending(pipeline, batch_idx, last)
+        self.collective(self.guard.before_eval_step, host, stage, at, ending, ahead)
         if pipeline is None:
             return self.collective(run, batch)
         output, usable = self.collective(pipeline.run, run, lambda: run(move(host)))
@@ -327,6 +333,10 @@ class StepRunner:
     def settle(self) -> None:
         """Judges a pending batch verdict on every rank (before a checkpoint is written)."""
         self.collective(self.guard.settle)
+
+    def explain(self) -> None:
+        """Decides a started vote on every rank: a NaN loss it carries raises its named error."""
+        self.collective(self.guard.decide_ahead)
 
     @property
     def updates_after_backward(self) -> bool:
@@ -372,3 +382,18 @@ class StepRunner:
             if pipeline is not None:
                 pipeline.release()
         self._host_batch = None
+
+
+def _ending(pipeline: Any, batch_idx: int, last: bool, steps: int = 0) -> tuple[int, bool]:
+    """What the vote for the step ``steps`` after ``batch_idx``'s says of the epoch's end.
+
+    The flag must be the same on every rank, else ``UnevenDataError`` names the flagged ranks
+    as having ``index + 1`` batches. Unpipelined: Lightning's "no batch after this one". A
+    pipeline's ``progress()`` sends the batch ``depth`` places ahead (sparse-dist 1, semi-sync
+    2): a rank whose epoch ends before it (its read-ahead found the end) is flagged, as having
+    that many, before any rank sends it (a batch only some ranks send mismatches collectives).
+    Returns ``(index, flag)``: the batch index the message counts to, and this rank's flag.
+    """
+    if pipeline is None:
+        return batch_idx, last
+    return batch_idx + steps + pipeline.depth - 1, last or pipeline.exhausted

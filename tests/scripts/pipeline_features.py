@@ -6,8 +6,10 @@ from step 0, so batches are looked up two ahead), each phase writes
 
 * ``bad_id``: only rank 1's batch ``BAD_AT`` has an out-of-range id; it is read ahead by the
   pipeline (and, semi-sync, looked up) before its step, so it must be refused before that.
-* ``nan_loss``: only rank 1's loss is NaN at step 3.
-* ``uneven``: rank 1 has one batch fewer than rank 0.
+* ``nan_loss``: only rank 1's loss is NaN at step 3, with a checkpoint at every step.
+* ``uneven``: rank 1 has one batch fewer than rank 0; ``uneven_stream``: two fewer, from a
+  loader without a length (found as the epoch runs, before a pipeline sends a batch rank 1
+  does not have).
 * ``schedule``: a dense StepLR schedule (the fused LR follows it) and both norm callbacks,
   against the same run with ``pipeline=None`` (``none_schedule``).
 * ``preempt`` (last: the launch ends there): rank 1 receives SIGTERM at step 5;
@@ -28,7 +30,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from factory import QUIET, Capture, table_wise, tiny_data, tiny_dlrm
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_torchrec import (
     DLRMClickModule,
@@ -76,6 +78,18 @@ class Tampered:
             yield batch
 
 
+class Stream(Tampered):
+    """The same, without a length: the ranks' counts are found only as the epoch runs."""
+
+    __len__ = None  # type: ignore[assignment]
+
+    def __iter__(self) -> Iterator[Any]:
+        count = len(self.loader) - (self.drop if rank() == 1 else 0)
+        for i, batch in enumerate(self.loader):
+            if i < count:
+                yield batch
+
+
 class NanAt(DLRMClickModule):
     """Rank 1's loss is NaN at step ``nan_at``; a StepLR schedule on the dense optimizer."""
 
@@ -120,6 +134,7 @@ def phase(
     schedule: bool = False,
     max_steps: int = 12,
     sigterm_at: int = -1,
+    stream: bool = False,
 ) -> None:
     L.seed_everything(2)
     data = tiny_data(ROWS, batch_size=16, train_batches=8, seed=1)
@@ -131,6 +146,9 @@ def phase(
         callbacks += [WeightNormCallback(), EmbeddingNormCallback(sample_size=ROWS)]
     if sigterm_at >= 0:
         callbacks.append(PreemptionCheckpoint(OUT / f"{pipeline}_preempted.ckpt"))
+    if nan_at >= 0:  # a checkpoint at every step: the NaN step's is refused, and named as such
+        every = ModelCheckpoint(OUT / f"{pipeline}_nan_ckpts", every_n_train_steps=1, save_top_k=-1)
+        callbacks.append(every)
     trainer = L.Trainer(
         strategy=TorchRecStrategy(
             constraints=table_wise(2),
@@ -144,7 +162,10 @@ def phase(
         max_epochs=1 if max_steps < 0 else None,
         limit_val_batches=0,
         callbacks=callbacks,
-        **(QUIET | {"logger": [capture], "log_every_n_steps": 1}),
+        **(
+            QUIET
+            | {"logger": [capture], "log_every_n_steps": 1, "enable_checkpointing": nan_at >= 0}
+        ),
     )
     result: dict[str, Any] = {"error": None, "message": ""}
     data.setup("fit")
@@ -158,7 +179,8 @@ def phase(
 
     dist.all_reduce = counted_vote
     try:
-        trainer.fit(model, train_dataloaders=Tampered(data.train_dataloader(), bad_at, drop))
+        loader = (Stream if stream else Tampered)(data.train_dataloader(), bad_at, drop)
+        trainer.fit(model, train_dataloaders=loader)
     except Exception as e:  # noqa: BLE001 - recorded for the test to judge
         result = {"error": type(e).__name__, "message": str(e)}
     finally:
@@ -182,6 +204,7 @@ def main() -> None:
         phase(pipeline, "bad_id", bad_at=BAD_AT)
         phase(pipeline, "nan_loss", nan_at=3)
         phase(pipeline, "uneven", drop=1, max_steps=-1)
+        phase(pipeline, "uneven_stream", drop=2, max_steps=-1, stream=True)
         phase(pipeline, "schedule", schedule=True)
     phase("sparse_dist", "preempt", sigterm_at=5, max_steps=20)
 

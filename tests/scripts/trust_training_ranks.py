@@ -8,7 +8,8 @@
 * ``weighted``: rank 1 feeds a KJT without weights to a weighted EBC at step 1.
 * ``custom_norm``: ``WeightNormCallback`` with a per-rank callable writes to a CSV logger.
 * ``uneven_sized``/``uneven_iterable``/``uneven_val``/``predict_uneven``: ranks get different
-  numbers of batches (sized loaders, an iterable dataset, validation, predict).
+  numbers of batches (sized loaders, an iterable dataset, validation, predict);
+  ``uneven_val_unchecked``: iterable validation data with ``validate_batches=False``.
 * ``refit``: a second ``Trainer.fit`` on the same module (a fine-tune stage).
 * ``ec``: an ``EmbeddingCollection`` model with the default plan on CPU.
 * ``no_fused``: only data-parallel tables and a dense scheduler: no fused-LR warning.
@@ -187,6 +188,14 @@ def phase_uneven() -> None:
         t.fit(WithVal(), DataLoader(PerRank([2, 2]), batch_size=None), val)
 
     expect_error("uneven_val", fit_val)
+
+    def fit_val_unchecked() -> None:  # no batch checks: the count vote stays (loss checks on)
+        strategy = TorchRecStrategy(constraints=table_wise(4), validate_batches=False)
+        t = trainer(strategy, max_epochs=1, use_distributed_sampler=False)
+        val = DataLoader(PerRankIterable([3, 2]), batch_size=None)
+        t.fit(WithVal(), DataLoader(PerRank([2, 2]), batch_size=None), val)
+
+    expect_error("uneven_val_unchecked", fit_val_unchecked)
 
     def predict() -> None:
         t = trainer(TorchRecStrategy(constraints=table_wise(4)))
