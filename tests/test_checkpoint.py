@@ -195,3 +195,26 @@ def test_top_k_keeps_and_deletes_whole_directories(tmp_path: Path) -> None:
     assert entries == sorted([*kept, "last.ckpt"]), entries  # nothing partial or half-deleted
     for name in entries:
         assert is_sharded_checkpoint(tmp_path / "ck" / name)
+
+
+def test_a_weights_only_checkpoint_says_so_when_a_fit_resumes_from_it(tmp_path: Path) -> None:
+    only = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=3, save_weights_only=True)
+    trained = dlrm()
+    trainer(tmp_path, callbacks=[only], enable_checkpointing=True).fit(trained, datamodule=data())
+    (ckpt,) = (tmp_path / "ck").iterdir()
+    with pytest.raises(CheckpointMismatchError) as err:
+        trainer(tmp_path, max_steps=5).fit(dlrm(), datamodule=data(), ckpt_path=ckpt)
+    assert str(err.value) == (
+        f"{ckpt} holds no state of optimizer 0 (saved with weights only, e.g. "
+        "ModelCheckpoint(save_weights_only=True)), so a fit cannot resume from it. To train on "
+        "from its weights, load them first with the same Trainer (`trainer.validate(model, "
+        "ckpt_path=...)`), then `trainer.fit(model)`."
+    )
+    # what the message says works: the weights loaded, then trained on
+    model, again = dlrm(), trainer(tmp_path, max_steps=2)
+    again.validate(model, datamodule=data(), ckpt_path=ckpt)
+    loaded = plain_state(model)
+    for name, value in plain_state(trained).items():
+        assert torch.equal(loaded[name], value), name
+    again.fit(model, datamodule=data())
+    assert again.global_step == 2

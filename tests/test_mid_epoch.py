@@ -257,3 +257,23 @@ def test_a_cut_epoch_gets_lightnings_mid_epoch_loop_state_and_nothing_else_is_to
     last = _loops(ended, batches, 6)
     last["loops"]["fit_loop"]["epoch_loop.batch_progress"]["is_last_batch"] = True
     assert reopen_cut_epoch(last) is None
+
+
+def test_a_position_from_another_world_size_counts_the_same_global_batches() -> None:
+    from lightning_torchrec.lightning.mid_epoch import rescale
+
+    saved = {"epoch": 1, "batches": 3, "world_size": 2}
+    assert rescale(saved, 2, warn=True) is saved  # same world size: as saved, no warning
+    assert rescale({"epoch": 1, "batches": 3}, 4, warn=True) == {"epoch": 1, "batches": 3}
+    with pytest.warns(
+        UserWarning,
+        match=r"3 batches into epoch 1 on 2 ranks; this run has 3\. "
+        r"It resumes after 2 batches per rank \(6 of the 6 the 2 ranks trained; "
+        r"0 trained again\)",
+    ):
+        assert rescale(saved, 3, warn=True) == {"epoch": 1, "batches": 2, "world_size": 3}
+    with pytest.warns(UserWarning, match=r"after 1 batches per rank \(4 of the 6 .* 2 trained"):
+        assert rescale(saved, 4, warn=True)["batches"] == 1
+    assert rescale(saved, 4, warn=False)["batches"] == 1  # the other ranks stay quiet
+    assert saved_position({POSITION_KEY: saved}) == saved
+    assert saved_position({POSITION_KEY: saved | {"world_size": "2"}}) == {"epoch": 1, "batches": 3}

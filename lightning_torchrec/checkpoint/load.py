@@ -276,6 +276,14 @@ def load_sharded(
         for i, opt in enumerate(optimizers if load_optimizer_states else []):
             init_optimizer_state(opt)
             target = opt.state_dict()["state"]
+            stored = metadata.state_dict_metadata
+            if _flatten(target) and not any(k.startswith(f"{optimizer_key(i)}.") for k in stored):
+                raise CheckpointMismatchError(
+                    f"{path} holds no state of optimizer {i} (saved with weights only, e.g. "
+                    "ModelCheckpoint(save_weights_only=True)), so a fit cannot resume from it. "
+                    "To train on from its weights, load them first with the same Trainer "
+                    "(`trainer.validate(model, ckpt_path=...)`), then `trainer.fit(model)`."
+                )
             try:
                 check_compatible(
                     path, {optimizer_key(i): target}, f"optimizer {i}", True, metadata=metadata

@@ -29,7 +29,14 @@ from lightning_torchrec.checkpoint import (
     save_sharded,
 )
 from lightning_torchrec.checkpoint.limits import CheckpointLimits
-from lightning_torchrec.lightning.mid_epoch import POSITION_KEY, epoch_position, saved_position
+from lightning_torchrec.errors import NonFiniteCheckpointError
+from lightning_torchrec.lightning.mid_epoch import (
+    POSITION_KEY,
+    epoch_position,
+    reopen,
+    rescale,
+    saved_position,
+)
 from lightning_torchrec.training.optim import keyed_optimizer
 
 
@@ -142,15 +149,20 @@ class ShardedCheckpointing:
         has_optim = bool(checkpoint.pop("optimizer_states", None))
         optimizers = [keyed_optimizer(o) for o in self.optimizers] if has_optim else []
         assert self.lightning_module is not None
-        save_sharded(
-            path,
-            self.lightning_module,
-            optimizers,
-            checkpoint,
-            model_state=model_state,
-            check_finite_values=self.check_finite_checkpoints,
-            key=self.checkpoint_key,
-        )
+        try:
+            save_sharded(
+                path,
+                self.lightning_module,
+                optimizers,
+                checkpoint,
+                model_state=model_state,
+                check_finite_values=self.check_finite_checkpoints,
+                key=self.checkpoint_key,
+            )
+        except NonFiniteCheckpointError:  # refused on every rank: a NaN loss may be why
+            if self._runner is not None:
+                self._runner.explain()  # its vote is decided after this step's checkpoint
+            raise
 
     @override
     def load_checkpoint(
@@ -172,7 +184,8 @@ class ShardedCheckpointing:
         trainer = attached_trainer(self.lightning_module)
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         # The training loader skips the batches trained on (see `DataHooks.process_dataloader`).
-        self._resume_position = saved_position(meta) if fitting else None
+        position = reopen(meta, saved_position(meta)) if fitting else None
+        self._resume_position = rescale(position, self.world_size, self.is_global_zero)
         dropped = confine_restored_callbacks(meta, trainer)
         if dropped and self.is_global_zero:
             warnings.warn(

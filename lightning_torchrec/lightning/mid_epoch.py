@@ -49,7 +49,7 @@ def epoch_position(trainer: Any) -> dict[str, int] | None:
     epoch = processed_epochs(trainer)
     if cut and not epoch_running(trainer):
         epoch -= 1  # the epoch was cut short, and Lightning ended it
-    return {"epoch": epoch, "batches": batches if cut else 0}
+    return {"epoch": epoch, "batches": batches if cut else 0, "world_size": trainer.world_size}
 
 
 def reopen(checkpoint: dict[str, Any], position: dict[str, int] | None) -> dict[str, int] | None:
@@ -74,7 +74,7 @@ def reopen(checkpoint: dict[str, Any], position: dict[str, int] | None) -> dict[
     if epoch is None:
         return position
     log.info("reopening epoch %d, cut short after %d batches", epoch, position["batches"])
-    return {"epoch": epoch, "batches": position["batches"]}
+    return position | {"epoch": epoch}
 
 
 def saved_position(checkpoint: dict[str, Any]) -> dict[str, int] | None:
@@ -92,7 +92,44 @@ def saved_position(checkpoint: dict[str, Any]) -> dict[str, int] | None:
     epoch, batches = position.get("epoch"), position.get("batches")
     if not isinstance(epoch, int) or not isinstance(batches, int) or epoch < 0 or batches < 0:
         return None
-    return {"epoch": epoch, "batches": batches}
+    world = position.get("world_size")
+    return {"epoch": epoch, "batches": batches} | (
+        {"world_size": world} if type(world) is int and world > 0 else {}
+    )
+
+
+def rescale(position: dict[str, int] | None, world_size: int, warn: bool) -> dict[str, int] | None:
+    """The position of a checkpoint written by another number of ranks, in this run's batches.
+
+    ``k`` batches on each of ``W`` ranks are the first ``k * W`` batches of the epoch's global
+    order when the ranks split one permutation as Lightning's ``DistributedSampler`` does
+    (``rank::W``; more than one rank in both runs): ``k * W / W'`` batches on each of ``W'``
+    ranks, rounded down (the rest trained again). Any other split (one rank's own sampler, per-rank
+    files) is not carried over exactly, so a changed world size always warns.
+
+    Args:
+        position: from :func:`saved_position` (after :func:`reopen`).
+        world_size: this run's number of ranks.
+        warn: whether to warn (one rank).
+
+    Returns:
+        The position in this run's batches per rank.
+    """
+    if position is None or position.get("world_size", world_size) == world_size:
+        return position
+    saved, count = position["world_size"], position["batches"]
+    batches, left = divmod(count * saved, world_size)
+    if warn and count:
+        warnings.warn(
+            f"The checkpoint was written {count} batches into epoch {position['epoch']} on "
+            f"{saved} ranks; this run has {world_size}. It resumes after {batches} batches per "
+            f"rank ({batches * world_size} of the {count * saved} the {saved} ranks trained; "
+            f"{left} trained again). That skips the same samples only where both runs split one "
+            "permutation across more than one rank, as Lightning's DistributedSampler does.",
+            UserWarning,
+            stacklevel=2,
+        )
+    return {"epoch": position["epoch"], "batches": batches, "world_size": world_size}
 
 
 def has_state_protocol(loader: Any) -> bool:
