@@ -87,8 +87,8 @@ def _check_kjt(kjt: Any, specs: Mapping[str, FeatureSpec]) -> None:
             f"sparse features {keys} hold ids of dtype {values.dtype}; ids must be "
             "torch.int64 or torch.int32. Convert them in the dataset, not by casting floats."
         )
-    twice = sorted({k for k in keys if keys.count(k) > 1})
-    if twice:
+    if len(set(keys)) != len(keys):
+        twice = sorted({k for k in keys if keys.count(k) > 1})
         raise BatchValidationError(f"sparse feature(s) {twice} appear twice in {keys}")
     if lengths.numel() and int(lengths.min()) < 0:
         bag = int(torch.nonzero(lengths < 0)[0])
