@@ -263,17 +263,22 @@ def test_a_position_from_another_world_size_counts_the_same_global_batches() -> 
     from lightning_torchrec.lightning.mid_epoch import rescale
 
     saved = {"epoch": 1, "batches": 3, "world_size": 2}
-    assert rescale(saved, 2, warn=True) is saved  # same world size: as saved, no warning
-    assert rescale({"epoch": 1, "batches": 3}, 4, warn=True) == {"epoch": 1, "batches": 3}
+    assert rescale(saved, 2) is saved  # the same world size: as saved
+    assert rescale({"epoch": 1, "batches": 3}, 4) == {"epoch": 1, "batches": 3}  # older entry
+    assert rescale(saved, 4)["batches"] == 1  # 6 global batches: 1 on each of 4 ranks, 2 again
+    position = rescale(saved, 3)
+    assert position is not None and position["batches"] == 2
+    loader = DataLoader(Counting(24), batch_size=2)
     with pytest.warns(
         UserWarning,
-        match=r"3 batches into epoch 1 on 2 ranks; this run has 3\. "
-        r"It resumes after 2 batches per rank \(6 of the 6 the 2 ranks trained; "
-        r"0 trained again\)",
+        match=r"3 batches into epoch 1 on 2 ranks; this run has 3\. It resumes after 2 batches "
+        r"per rank \(6 of the 6 the 2 ranks trained; 0 trained again\)",
     ):
-        assert rescale(saved, 3, warn=True) == {"epoch": 1, "batches": 2, "world_size": 3}
-    with pytest.warns(UserWarning, match=r"after 1 batches per rank \(4 of the 6 .* 2 trained"):
-        assert rescale(saved, 4, warn=True)["batches"] == 1
-    assert rescale(saved, 4, warn=False)["batches"] == 1  # the other ranks stay quiet
+        assert resume_in_epoch(loader, position, trainer_at(1), warn=True)
+    assert next(iter(loader)).tolist() == [4, 5]
+    # a loader that restores its own position is left to it, without a warning
+    assert not resume_in_epoch(
+        SimpleNamespace(state_dict=dict, load_state_dict=print), position, trainer_at(1), warn=True
+    )
     assert saved_position({POSITION_KEY: saved}) == saved
     assert saved_position({POSITION_KEY: saved | {"world_size": "2"}}) == {"epoch": 1, "batches": 3}

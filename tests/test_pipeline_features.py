@@ -118,8 +118,11 @@ def test_preemption_saves_a_complete_checkpoint_that_resumes(run: Path) -> None:
         callbacks=[Steps()],
         **QUIET,
     )
-    trainer.fit(tiny_dlrm(20), datamodule=tiny_data(20, batch_size=16), ckpt_path=ckpt)
-    assert steps == [7, 8]  # saved after step 6 on both ranks; one rank resumes it
+    # Saved after step 6 on both ranks; one rank resumes it, its epoch's position rescaled
+    # (6 batches on each of 2 ranks: 12 of this rank's, the whole epoch), with a warning.
+    with pytest.warns(UserWarning, match="6 batches into epoch 0 on 2 ranks; this run has 1"):
+        trainer.fit(tiny_dlrm(20), datamodule=tiny_data(20, batch_size=16), ckpt_path=ckpt)
+    assert steps == [7, 8]
 
 
 def test_a_semi_sync_run_resumes_from_a_mid_run_checkpoint(tmp_path: Path) -> None:

@@ -185,7 +185,7 @@ class ShardedCheckpointing:
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         # The training loader skips the batches trained on (see `DataHooks.process_dataloader`).
         position = reopen(meta, saved_position(meta)) if fitting else None
-        self._resume_position = rescale(position, self.world_size, self.is_global_zero)
+        self._resume_position = rescale(position, self.world_size)
         dropped = confine_restored_callbacks(meta, trainer)
         if dropped and self.is_global_zero:
             warnings.warn(

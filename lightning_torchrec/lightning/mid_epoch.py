@@ -98,19 +98,19 @@ def saved_position(checkpoint: dict[str, Any]) -> dict[str, int] | None:
     )
 
 
-def rescale(position: dict[str, int] | None, world_size: int, warn: bool) -> dict[str, int] | None:
+def rescale(position: dict[str, int] | None, world_size: int) -> dict[str, int] | None:
     """The position of a checkpoint written by another number of ranks, in this run's batches.
 
     ``k`` batches on each of ``W`` ranks are the first ``k * W`` batches of the epoch's global
     order when the ranks split one permutation as Lightning's ``DistributedSampler`` does
     (``rank::W``; more than one rank in both runs): ``k * W / W'`` batches on each of ``W'``
-    ranks, rounded down (the rest trained again). Any other split (one rank's own sampler, per-rank
-    files) is not carried over exactly, so a changed world size always warns.
+    ranks, rounded down (the rest trained again). Any other split is not carried over exactly,
+    so :func:`resume_in_epoch` warns when it skips by a rescaled count (``saved_world_size``
+    and ``saved_batches`` are kept for it).
 
     Args:
         position: from :func:`saved_position` (after :func:`reopen`).
         world_size: this run's number of ranks.
-        warn: whether to warn (one rank).
 
     Returns:
         The position in this run's batches per rank.
@@ -118,18 +118,26 @@ def rescale(position: dict[str, int] | None, world_size: int, warn: bool) -> dic
     if position is None or position.get("world_size", world_size) == world_size:
         return position
     saved, count = position["world_size"], position["batches"]
-    batches, left = divmod(count * saved, world_size)
-    if warn and count:
-        warnings.warn(
-            f"The checkpoint was written {count} batches into epoch {position['epoch']} on "
-            f"{saved} ranks; this run has {world_size}. It resumes after {batches} batches per "
-            f"rank ({batches * world_size} of the {count * saved} the {saved} ranks trained; "
-            f"{left} trained again). That skips the same samples only where both runs split one "
-            "permutation across more than one rank, as Lightning's DistributedSampler does.",
-            UserWarning,
-            stacklevel=2,
-        )
-    return {"epoch": position["epoch"], "batches": batches, "world_size": world_size}
+    return {
+        "epoch": position["epoch"],
+        "batches": count * saved // world_size,
+        "world_size": world_size,
+        "saved_world_size": saved,
+        "saved_batches": count,
+    }
+
+
+def _rescaled_warning(position: dict[str, int]) -> str:
+    saved, count = position["saved_world_size"], position["saved_batches"]
+    batches, world = position["batches"], position["world_size"]
+    return (
+        f"The checkpoint was written {count} batches into epoch {position['epoch']} on {saved} "
+        f"ranks; this run has {world}. It resumes after {batches} batches per rank "
+        f"({batches * world} of the {count * saved} the {saved} ranks trained; "
+        f"{count * saved - batches * world} trained again). That skips the same samples only "
+        "where both runs split one permutation across more than one rank, as Lightning's "
+        "DistributedSampler does."
+    )
 
 
 def has_state_protocol(loader: Any) -> bool:
@@ -166,6 +174,8 @@ def resume_in_epoch(loader: Any, position: dict[str, int], trainer: Any, warn: b
     if skip_batches(loader, count):
         drop_persistent_iterator(loader)  # a loader fitted before keeps its old sampler there
         log.info("resuming epoch %d after its first %d batches", position["epoch"], count)
+        if warn and "saved_world_size" in position:
+            warnings.warn(_rescaled_warning(position), UserWarning, stacklevel=2)
         return True
     if warn:
         warnings.warn(

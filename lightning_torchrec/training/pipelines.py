@@ -234,9 +234,7 @@ class SparseDistPipeline:
         Returns:
             ``(index in the epoch, host batch)`` pairs (see :meth:`Lookahead.ahead`).
         """
-        if self._iterator is None:
-            return []
-        return self._iterator.ahead(self.depth, batch_idx)
+        return [] if self._iterator is None else self._iterator.ahead(self.depth, batch_idx)
 
     @property
     def exhausted(self) -> bool:
