@@ -134,3 +134,8 @@ def test_semi_sync_refuses_tables_the_dense_optimizer_updates_naming_them() -> N
         trainer.fit(tiny_dlrm(), datamodule=tiny_data())
     assert "the dense optimizer: ['t_cat_1 (data_parallel, kernel dense)']" in str(err.value)
     assert trainer.global_step == 0
+    # evaluation never runs semi-sync: the same strategy settings validate that plan
+    strategy = TorchRecStrategy(constraints=constraints, pipeline="semi_sync")
+    validating = L.Trainer(strategy=strategy, devices=1, **QUIET)
+    (metrics,) = validating.validate(tiny_dlrm(), datamodule=tiny_data())
+    assert "val/loss" in metrics

@@ -95,8 +95,6 @@ class StepRunner:
     ) -> None:
         if batch_checks not in BATCH_CHECKS:
             raise ValueError(f"batch_checks must be one of {BATCH_CHECKS}, got {batch_checks!r}")
-        if pipeline == "semi_sync":
-            check_semi_sync_plan(getattr(model, "plan", None))
         deferred = batch_checks == "next_step" or (batch_checks == "auto" and device.type == "cuda")
         self.model, self.device = model, device
         self.pipeline, self.start_batch, self.asked = pipeline, start_batch, asked
@@ -354,6 +352,7 @@ class StepRunner:
         """A new training pipeline for a new fit (none without a pipeline)."""
         self._peek, self._covered, self._stepped = None, None, False
         if self.pipeline == "semi_sync":
+            check_semi_sync_plan(getattr(self.model, "plan", None))
             self.training = SemiSyncPipeline(
                 self.model, self.device, self.start_batch, self.global_step, self.asked
             )
