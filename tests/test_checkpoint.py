@@ -218,3 +218,70 @@ def test_a_weights_only_checkpoint_says_so_when_a_fit_resumes_from_it(tmp_path: 
         assert torch.equal(loaded[name], value), name
     again.fit(model, datamodule=data())
     assert again.global_step == 2
+
+
+def test_evaluating_a_checkpoint_after_fit_restores_weights_only(tmp_path: Path) -> None:
+    # On the Trainer that just ran fit: a weights-only checkpoint evaluates, and a full one
+    # leaves the live optimizers' state (dense and fused) as the fit left it.
+    only = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=3, save_weights_only=True)
+    model = dlrm()
+    t = trainer(tmp_path, callbacks=[only], enable_checkpointing=True)
+    t.fit(model, datamodule=data())
+    (ckpt,) = (tmp_path / "ck").iterdir()
+    full = tmp_path / "full.ckpt"
+    t.save_checkpoint(full)
+    opt = t.optimizers[0]
+    opt.step()  # the live state now differs from both checkpoints'
+    before = {k: v.clone() for k, v in plain_state_of(opt).items()}
+    t.validate(model, datamodule=data(), ckpt_path=ckpt, verbose=False)
+    assert t.test(model, datamodule=data(), ckpt_path=full, verbose=False)[0]["test/loss"] > 0
+    after = plain_state_of(opt)
+    assert before.keys() == after.keys() and before
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key
+
+
+def plain_state_of(optimizer: Any) -> dict[str, torch.Tensor]:
+    """An optimizer's state as plain tensors (world size 1: one local shard each)."""
+    flat = {}
+    for param, states in optimizer.state_dict()["state"].items():
+        for name, value in states.items():
+            if hasattr(value, "local_shards"):
+                (shard,) = value.local_shards()
+                value = shard.tensor
+            if isinstance(value, torch.Tensor):
+                flat[f"{param}.{name}"] = value
+    return flat
+
+
+class WithUnusedHead(DLRMClickModule):
+    """A dense layer outside the loss (a head not trained yet): it never gets a gradient."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.unused = torch.nn.Linear(3, 1)
+
+
+def test_a_dense_parameter_without_gradients_resumes_without_optimizer_state(
+    tmp_path: Path,
+) -> None:
+    def fit(steps: int, ckpt: Path | None = None) -> tuple[L.Trainer, DLRMClickModule]:
+        L.seed_everything(5)
+        model = tiny_dlrm(ROWS, embedding_dim=4, cls=WithUnusedHead, **adam(1e-2))
+        t = trainer(tmp_path, max_steps=steps)
+        t.fit(model, datamodule=data(), ckpt_path=ckpt)
+        return t, model
+
+    part, _ = fit(2)
+    part.save_checkpoint(tmp_path / "part.ckpt")
+    resumed, model = fit(5, tmp_path / "part.ckpt")
+    whole, reference = fit(5)
+    assert resumed.global_step == 5
+    expected = plain_state(reference)
+    for name, value in plain_state(model).items():
+        assert torch.equal(value, expected[name]), name
+    for t in (part, resumed, whole):  # never stepped: no state, as in any torch optimizer
+        assert not any(k.startswith("dense.unused.") for k in plain_state_of(t.optimizers[0]))
+    assert (
+        plain_state_of(resumed.optimizers[0]).keys() == plain_state_of(whole.optimizers[0]).keys()
+    )

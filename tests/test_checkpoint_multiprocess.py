@@ -11,12 +11,22 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
 
 from lightning_torchrec import TorchRecStrategy
 from lightning_torchrec.checkpoint.consolidate import read_plain
 from lightning_torchrec.training.optim import optimizer_steps
 from tests.helpers import assert_same, load_ranks, run_script
-from tests.scripts.factory import WIDE, cpu_trainer, table_wise, tiny_data, tiny_dlrm
+from tests.scripts.factory import (
+    WIDE,
+    cpu_trainer,
+    pooled_module,
+    pooled_plan,
+    table_wise,
+    tiny_data,
+    tiny_dlrm,
+)
+from tests.scripts.rank_state import kernel_lrs
 
 TABLES = [f"t_cat_{i}" for i in range(4)]
 EBC = "model_and_loss.model.sparse_arch.embedding_bag_collection"
@@ -142,3 +152,53 @@ def test_two_rank_checkpoint_loads_on_one_rank(run: Path) -> None:
         ((_, saved),) = owner["optim"][key][f"{table}.momentum1"]
         assert torch.equal(shard.tensor, saved), table
     assert optimizer_steps(trainer.optimizers[0]) == [20]
+
+
+def kernel_schedule(steps: dict[int, dict[str, Any]], step: int) -> tuple[float, float]:
+    """What step ``step`` trained with: the dense LR and the one LR of every fused kernel."""
+    lrs = set(steps[step]["kernel_lrs"])
+    assert len(lrs) == 1, lrs
+    return steps[step]["dense_lr"], lrs.pop()
+
+
+def test_kernels_another_rank_held_resume_their_schedule_and_step_counter(run: Path) -> None:
+    # Saved with both tables on rank 1: rank 0 saved no fused group, no step counter, and (for
+    # every rank) a scheduler state of one group. LambdaLR: step s trains at base / s.
+    saved = load_ranks(run, "kernels_save_end")
+    assert saved[0]["optimizer_steps"] == [] and saved[1]["optimizer_steps"] == [4, 4]
+    resumed = load_ranks(run, "kernels_resume_steps"), load_ranks(run, "kernels_resume_end")
+    for rank, (steps, end) in enumerate(zip(*resumed, strict=True)):
+        assert sorted(steps) == [5, 6]
+        for step in steps:
+            dense, fused = kernel_schedule(steps, step)
+            assert dense == pytest.approx(1e-2 / step) and fused == pytest.approx(0.1 / step)
+        assert end["optimizer_steps"] == [6], rank
+        assert end["lrs"] == pytest.approx([1e-2 / 7, 0.1 / 7]), rank
+
+
+def test_kernels_resume_on_one_rank_driving_more_kernels_than_rank_zero_saved(run: Path) -> None:
+    class Lrs(Callback):
+        def __init__(self) -> None:
+            self.steps: dict[int, dict[str, Any]] = {}
+
+        def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+            opt = trainer.optimizers[0]
+            lrs = {"dense_lr": opt.param_groups[0]["lr"], "kernel_lrs": kernel_lrs(opt.fused)}
+            self.steps[trainer.global_step + 1] = lrs
+
+    module = pooled_module()
+    strategy = TorchRecStrategy(
+        plan=pooled_plan(module, [0, 0], 1), fused_params={"learning_rate": 0.1}, log_plan=False
+    )
+    seen = Lrs()
+    trainer = cpu_trainer(
+        strategy, max_steps=6, limit_val_batches=0, callbacks=[seen], default_root_dir=run
+    )
+    data = tiny_data(40, 2, batch_size=16, train_batches=8, seed=2)
+    trainer.fit(module, datamodule=data, ckpt_path=run / "kernels.ckpt")
+    opt = trainer.optimizers[0]
+    assert optimizer_steps(opt) == [6, 6]  # two kernels on this rank (SUM and MEAN pooling)
+    for step in (5, 6):
+        dense, fused = kernel_schedule(seen.steps, step)
+        assert dense == pytest.approx(1e-2 / step) and fused == pytest.approx(0.1 / step)
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([1e-2 / 7, 0.1 / 7, 0.1 / 7])

@@ -27,6 +27,7 @@ from lightning_torchrec.checkpoint.common import (
     this_rank,
 )
 from lightning_torchrec.checkpoint.folder import UNVERIFIED, CheckpointFolder, read_dcp_metadata
+from lightning_torchrec.checkpoint.hyper_params import apply_hyper_params, read_run_record
 from lightning_torchrec.checkpoint.limits import CheckpointLimits
 from lightning_torchrec.checkpoint.mc_layout import check_managed_collision_layout
 from lightning_torchrec.checkpoint.names import (
@@ -45,7 +46,7 @@ from lightning_torchrec.errors import (
 )
 from lightning_torchrec.sharding.layout import global_shape
 from lightning_torchrec.sharding.tables import table_of_key
-from lightning_torchrec.training.optim import init_optimizer_state, set_optimizer_steps
+from lightning_torchrec.training.optim import DENSE_KEY, forget_dense_state, init_optimizer_state
 
 
 def _global_shape(value: Any) -> tuple[int, ...] | None:
@@ -169,12 +170,31 @@ def _same_kind(saved: Any, current: Any) -> bool:
     return type(saved) is type(current)
 
 
+def _unstepped_dense(target: dict[str, Any], stored: Mapping[str, Any], prefix: str) -> list[str]:
+    """Dense parameters of ``target`` the checkpoint holds no optimizer state for at all.
+
+    A dense parameter that never had a gradient before the save (an unused head, a frozen
+    layer) has no optimizer state, as in any torch optimizer; it resumes without state too.
+    """
+    unstepped = []
+    for key, value in target.items():
+        if not key.startswith(f"{DENSE_KEY}.") or not isinstance(value, Mapping):
+            continue
+        if not any(k in stored for k in _flatten({key: value}, f"{prefix}.")):
+            unstepped.append(key)
+    return unstepped
+
+
 def _check_hyper_params(
-    saved: dict[str, Any], optimizers: list[KeyedOptimizer], where: Path
+    saved: dict[str, Any],
+    run: list[dict[str, Any]],
+    optimizers: list[KeyedOptimizer],
+    where: Path,
 ) -> None:
     """Refuses saved hyper-parameters whose kinds differ from the optimizers' (before loading)."""
     for index, opt in enumerate(optimizers[: len(saved["param_groups"])]):
-        for values in saved["param_groups"][index]:
+        fused = run[index]["fused_group"] if index < len(run) else None
+        for values in [*saved["param_groups"][index], *([fused] if fused else [])]:
             for group in opt.param_groups:
                 wrong = [k for k, v in values.items() if k in group and not _same_kind(v, group[k])]
                 if wrong:
@@ -268,9 +288,12 @@ def load_sharded(
     state: dict[str, Any] = {MODEL_KEY: model_sd}
     try:
         groups = None
+        run: list[dict[str, Any]] = []
+        unstepped: dict[int, list[str]] = {}
         if optimizers:
             groups = _read_param_groups(folder, rank, _saved_world_size(folder, meta))
-            _check_hyper_params(groups, optimizers, path)
+            run = read_run_record(meta, PACKAGE_KEY, str(path / META_FILE))
+            _check_hyper_params(groups, run, optimizers, path)
         check_compatible(path, state, "model", metadata=metadata)
         check_managed_collision_layout(path, _flatten(state), metadata)
         for i, opt in enumerate(optimizers if load_optimizer_states else []):
@@ -284,6 +307,9 @@ def load_sharded(
                     "To train on from its weights, load them first with the same Trainer "
                     "(`trainer.validate(model, ckpt_path=...)`), then `trainer.fit(model)`."
                 )
+            unstepped[i] = _unstepped_dense(target, stored, optimizer_key(i))
+            for key in unstepped[i]:
+                del target[key]
             try:
                 check_compatible(
                     path, {optimizer_key(i): target}, f"optimizer {i}", True, metadata=metadata
@@ -314,25 +340,8 @@ def load_sharded(
     module.load_state_dict(model_sd)
     for i, opt in enumerate(optimizers):
         if optimizer_key(i) in state:
+            forget_dense_state(opt, unstepped.get(i, []))  # as they were when saved: no state
             opt.load_state_dict({"state": state[optimizer_key(i)]})
         if groups is not None:
-            _apply_hyper_params(groups, i, opt)
+            apply_hyper_params(groups, run, i, opt)
     return meta
-
-
-def _apply_hyper_params(saved: dict[str, Any], index: int, optimizer: KeyedOptimizer) -> None:
-    if index >= len(saved["param_groups"]):
-        return
-    steps = saved.get("optimizer_steps", [])
-    if index < len(steps) and steps[index]:
-        set_optimizer_steps(optimizer, max(steps[index]))
-    groups = saved["param_groups"][index]
-    current = list(optimizer.param_groups)
-    if len(groups) != len(current):
-        # Another plan or world size: groups do not line up one to one. Hyper-parameters are
-        # the same for every group of one optimizer type, so apply the first saved group.
-        groups = [groups[0]] * len(current) if groups else []
-    for group, values in zip(current, groups, strict=True):
-        for k, v in values.items():
-            if k in group:
-                group[k] = v

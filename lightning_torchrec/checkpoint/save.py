@@ -33,6 +33,7 @@ from lightning_torchrec.checkpoint.files import (
     replace_path,
     write_torch_file,
 )
+from lightning_torchrec.checkpoint.hyper_params import RUN_KEY, merge_run_records, run_record
 from lightning_torchrec.checkpoint.manifest import MANIFEST_FILE, file_checksum, write_manifest
 from lightning_torchrec.checkpoint.names import META_FILE, PACKAGE_KEY, param_groups_file
 from lightning_torchrec.checkpoint.ownership import forget_partial, make_partial, remove_partial
@@ -172,11 +173,12 @@ def _write(
     except Exception as err:  # noqa: BLE001 - agreed below
         error = write_error(err, own)
     agree_checkpoint_error(error)
+    share = (sums, run_record(optimizers))
     if is_distributed():
         gathered: list[Any] = [None] * world
-        checkpoint_collective(torch.distributed.all_gather_object, gathered, sums)
+        checkpoint_collective(torch.distributed.all_gather_object, gathered, share)
     else:
-        gathered = [sums]
+        gathered = [share]
 
     if rank == 0:
         current = tmp / META_FILE
@@ -186,9 +188,10 @@ def _write(
                 "format_version": FORMAT_VERSION,
                 "world_size": world,
                 "save_token": token,
+                RUN_KEY: merge_run_records([record for _, record in gathered]),
             }
             write_torch_file(meta, current)
-            files = {name: s for rank_sums in gathered for name, s in rank_sums.items()}
+            files = {name: s for rank_sums, _ in gathered for name, s in rank_sums.items()}
             for file in sorted(tmp.iterdir()):  # .metadata, meta.pt, anything DCP added
                 if file.is_file() and file.name not in files:
                     files[file.name] = file_checksum(file, strong=key is not None)

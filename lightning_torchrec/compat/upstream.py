@@ -388,3 +388,11 @@ def managed_collision_table(key: str) -> str | None:
         if part == _MC_MODULES:
             return parts[i + 1]
     return None
+
+
+#: An LR scheduler's ``state_dict()`` entries of one value per param group (torch 2.x), the one
+#: of them holding the last learning rates, and the nested states of ``SequentialLR`` and
+#: ``ChainedScheduler``.
+SCHEDULER_GROUP_KEYS = ("base_lrs", "_last_lr", "min_lrs", "max_lrs", "lr_lambdas")
+SCHEDULER_LAST_LR = "_last_lr"
+SCHEDULER_NESTED = "_schedulers"

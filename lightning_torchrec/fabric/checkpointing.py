@@ -22,6 +22,7 @@ from torchrec.optim.keyed import KeyedOptimizer
 from typing_extensions import override
 
 from lightning_torchrec.checkpoint import load_sharded, save_sharded
+from lightning_torchrec.checkpoint.hyper_params import scheduler_state
 from lightning_torchrec.sharding.tables import unwrap
 from lightning_torchrec.training.optim import keyed_optimizer
 
@@ -153,6 +154,11 @@ class FabricCheckpointing:
             load_optimizer_states=self.load_optimizer_states,
         )
         self._push_fused_lr()
+        schedulers = meta.get("lr_schedulers")
+        if optimizers and isinstance(schedulers, list):  # rank 0's groups, matched to this rank's
+            meta["lr_schedulers"] = [
+                scheduler_state(s, optimizers[0]) if isinstance(s, dict) else s for s in schedulers
+            ]
         missing = [k for k in plain if k not in meta]
         if strict and missing:
             raise KeyError(f"the checkpoint {target} holds no {missing}")

@@ -28,6 +28,7 @@ from lightning_torchrec.checkpoint import (
     remove_checkpoint,
     save_sharded,
 )
+from lightning_torchrec.checkpoint.hyper_params import scheduler_state
 from lightning_torchrec.checkpoint.limits import CheckpointLimits
 from lightning_torchrec.errors import NonFiniteCheckpointError
 from lightning_torchrec.lightning.mid_epoch import (
@@ -53,6 +54,32 @@ def attached_trainer(module: Any) -> Any:
         return module.trainer if module is not None else None
     except RuntimeError:  # not attached to a Trainer
         return None
+
+
+def match_scheduler_states(meta: dict[str, Any], trainer: Any) -> None:
+    """Matches the saved LR schedulers' per-group lists to this rank's param groups, in place.
+
+    Lightning restores every rank's schedulers from rank 0's state; under another plan or world
+    size, or on a rank driving another number of fused kernels than rank 0, their per-group
+    lists (``base_lrs``, ...) would not line up with the groups and some groups would never be
+    scheduled (see :mod:`lightning_torchrec.checkpoint.hyper_params`).
+
+    Args:
+        meta: the checkpoint's metadata (its ``lr_schedulers`` are replaced).
+        trainer: the Trainer.
+    """
+    states = meta.get("lr_schedulers")
+    configs = list(getattr(trainer, "lr_scheduler_configs", None) or [])
+    if not isinstance(states, list) or len(states) != len(configs):
+        return  # Lightning names the mismatch itself
+    matched = []
+    for state, config in zip(states, configs, strict=True):
+        scheduler = config.scheduler
+        optimizer = getattr(scheduler, "optimizer", None)
+        if isinstance(state, dict) and optimizer is not None:
+            state = scheduler_state(state, keyed_optimizer(optimizer), scheduler.state_dict())
+        matched.append(state)
+    meta["lr_schedulers"] = matched
 
 
 def confine_restored_callbacks(meta: dict[str, Any], trainer: Any) -> list[str]:
@@ -170,7 +197,11 @@ class ShardedCheckpointing:
     ) -> dict[str, Any]:
         path = Path(self._collective(self.broadcast, str(checkpoint_path)))
         assert self.lightning_module is not None
-        optimizers = [keyed_optimizer(o) for o in self.optimizers]
+        trainer = attached_trainer(self.lightning_module)
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        # Evaluation restores the weights only (as Lightning does), also on a Trainer whose fit
+        # left its optimizers behind: their state is neither needed nor overwritten.
+        optimizers = [keyed_optimizer(o) for o in self.optimizers] if fitting else []
         meta = load_sharded(
             path,
             self.lightning_module,
@@ -181,11 +212,11 @@ class ShardedCheckpointing:
             limits=self.checkpoint_limits,
         )
         self._push_fused_lr()
-        trainer = attached_trainer(self.lightning_module)
-        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         # The training loader skips the batches trained on (see `DataHooks.process_dataloader`).
         position = reopen(meta, saved_position(meta)) if fitting else None
         self._resume_position = rescale(position, self.world_size)
+        if fitting:
+            match_scheduler_states(meta, trainer)
         dropped = confine_restored_callbacks(meta, trainer)
         if dropped and self.is_global_zero:
             warnings.warn(

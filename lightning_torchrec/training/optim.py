@@ -250,6 +250,19 @@ def init_optimizer_state(optimizer: KeyedOptimizer) -> None:
             p.grad = None
 
 
+def forget_dense_state(optimizer: KeyedOptimizer, keys: list[str]) -> None:
+    """Drops the dense optimizer's state of the parameters named ``keys`` (as after no step).
+
+    Args:
+        optimizer: a ``DenseAndFusedOptimizer`` (anything else is left alone).
+        keys: the parameters' keys in ``optimizer.params`` (``"dense.<name>"``).
+    """
+    if not isinstance(optimizer, DenseAndFusedOptimizer):
+        return
+    for key in keys:
+        optimizer.dense_optimizer.state.pop(optimizer.params[key], None)
+
+
 def keyed_optimizer(optimizer: Any) -> KeyedOptimizer:
     """The keyed optimizer behind a (Lightning-wrapped) optimizer.
 

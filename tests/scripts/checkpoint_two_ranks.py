@@ -6,7 +6,12 @@ Phases, all in one launch:
 3. ``resume``: a fresh model and trainer resume that checkpoint and run to step 30;
 4. ``cw``: a fresh model under a column-wise plan restores the table-wise checkpoint (weights
    only: ``load_optimizer_states=False``); loading its optimizer state too is attempted directly;
-   the plain weights consolidated from the checkpoint are loaded into it as well.
+   the plain weights consolidated from the checkpoint are loaded into it as well;
+5. ``kernels``: a model whose two tables pool differently (TorchRec gives each its own fused
+   kernel on a rank holding both), with a ``LambdaLR`` on both optimizers, saves after 4 steps
+   with both tables on rank 1 (rank 0 drives no kernel: it saves no fused hyper-parameters, no
+   step counter, and a scheduler state of one group), then resumes with one table per rank to
+   step 6 (``kernels_resume``); ``kernels.ckpt`` is also resumed on one rank by the test.
 
 Per-step losses, learning rates (dense, and the one each fused kernel uses) and local state
 snapshots go to ``{phase}_*_rank{r}.pt`` in argv[1].
@@ -22,7 +27,16 @@ import lightning as L
 import torch
 
 # sibling module (script directory)
-from factory import WIDE, adam, cpu_trainer, table_wise, tiny_data, tiny_dlrm
+from factory import (
+    WIDE,
+    adam,
+    cpu_trainer,
+    pooled_module,
+    pooled_plan,
+    table_wise,
+    tiny_data,
+    tiny_dlrm,
+)
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from rank_state import kernel_lrs, local_view  # sibling module (script directory)
 
@@ -122,6 +136,25 @@ def column_wise_plan(model: DLRMClickModule) -> Any:
     )
 
 
+def pooled_run(tag: str, ranks: list[int], steps: int, world: int = 2) -> tuple[Any, Any, Any]:
+    L.seed_everything(11)
+    data = tiny_data(40, 2, batch_size=16, train_batches=8, seed=2)
+    module = pooled_module()
+    trainer = cpu_trainer(
+        TorchRecStrategy(
+            plan=pooled_plan(module, ranks, world),
+            fused_params={"learning_rate": 0.1},
+            log_plan=False,
+        ),
+        devices=world,
+        max_steps=steps,
+        limit_val_batches=0,
+        callbacks=[Recorder(tag)],
+        default_root_dir=OUT,
+    )
+    return data, module, trainer
+
+
 def main() -> None:
     data, model, trainer = make("full", EPOCHS, epoch_checkpoints("full"))
     trainer.fit(model, datamodule=data)
@@ -160,6 +193,12 @@ def main() -> None:
     info["plain_keys"] = load_plain_weights(model, plain)
     info["after_plain"] = snapshot(trainer, model)
     torch.save(info, OUT / f"cw_info_rank{rank}.pt")
+
+    data, module, trainer = pooled_run("kernels_save", [1, 1], 4)
+    trainer.fit(module, datamodule=data)
+    trainer.save_checkpoint(OUT / "kernels.ckpt")
+    data, module, trainer = pooled_run("kernels_resume", [0, 1], 6)
+    trainer.fit(module, datamodule=data, ckpt_path=OUT / "kernels.ckpt")
 
 
 if __name__ == "__main__":

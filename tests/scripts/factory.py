@@ -14,9 +14,20 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.loggers import Logger
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
 from torchrec.distributed.planner.types import ParameterConstraints
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan
+from torchrec.distributed.sharding_plan import table_wise as on_rank
+from torchrec.distributed.types import ShardingPlan
+from torchrec.models.dlrm import DLRM
 
-from lightning_torchrec import DLRMClickModule, SyntheticClickData, TorchRecStrategy
+from lightning_torchrec import (
+    DLRMClickModule,
+    ModelAndLoss,
+    SyntheticClickData,
+    TorchRecModule,
+    TorchRecStrategy,
+)
 
 #: Rows of every table of the default tiny model and data.
 ROWS = 200
@@ -143,3 +154,42 @@ class Capture(Logger):
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         self.metrics.setdefault(int(step or 0), {}).update(metrics)
+
+
+POOLED_EBC = "model_and_loss.model.sparse_arch.embedding_bag_collection"
+
+
+def pooled_module() -> TorchRecModule:
+    """Two tables TorchRec puts in separate fused kernels on one rank (SUM and MEAN pooling)."""
+    torch.manual_seed(3)
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t_cat_{i}",
+            embedding_dim=8,
+            num_embeddings=40,
+            feature_names=[f"cat_{i}"],
+            pooling=PoolingType.SUM if i == 0 else PoolingType.MEAN,
+        )
+        for i in range(2)
+    ]
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    dlrm = DLRM(
+        embedding_bag_collection=ebc,
+        dense_in_features=13,
+        dense_arch_layer_sizes=[16, 8],
+        over_arch_layer_sizes=[16, 1],
+    )
+    return TorchRecModule(
+        ModelAndLoss(dlrm),
+        optimizer=lambda p: torch.optim.Adam(p, lr=1e-2),
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1 / (1 + s)),
+    )
+
+
+def pooled_plan(module: TorchRecModule, ranks: list[int], world: int) -> Any:
+    """Table ``t_cat_i`` table-wise on rank ``ranks[i]``."""
+    ebc = module.get_submodule(POOLED_EBC)
+    per = {f"t_cat_{i}": on_rank(rank=r, compute_kernel="fused") for i, r in enumerate(ranks)}
+    return ShardingPlan(
+        {POOLED_EBC: construct_module_sharding_plan(ebc, per, world_size=world, device_type="cpu")}
+    )

@@ -1,0 +1,253 @@
+"""Optimizer hyper-parameters and fused-kernel step counters under another plan or world size.
+
+A :class:`~lightning_torchrec.training.optim.DenseAndFusedOptimizer` lists the dense optimizer's
+param groups first, then one group per fused embedding kernel. How many kernels a rank drives
+follows the plan: which tables it holds, and their pooling and data types (TorchRec groups tables
+into kernels by both). So under another plan or world size a rank's groups do not line up with
+the ones it saved. The dense groups still do (the same dense optimizer); the fused groups are
+matched one to one when there are as many, and otherwise each takes a saved fused group's values
+(the fused kernels of one run are configured and scheduled alike). An LR scheduler's per-group
+lists (``base_lrs``, ``_last_lr``, ...), saved by rank 0 only, are matched the same way.
+
+The kernels' step counters advance in lock step; the save records the run's counter (the
+largest any rank saved) and a fused group's values in ``meta.pt``, so a rank that held no kernel
+when the checkpoint was written, or reads another rank's file, restores them too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torchrec.optim.keyed import KeyedOptimizer
+
+from lightning_torchrec.compat.upstream import (
+    SCHEDULER_GROUP_KEYS,
+    SCHEDULER_LAST_LR,
+    SCHEDULER_NESTED,
+)
+from lightning_torchrec.errors import CheckpointCorruptError
+from lightning_torchrec.training.optim import (
+    DenseAndFusedOptimizer,
+    optimizer_steps,
+    set_optimizer_steps,
+)
+
+#: The key of the run's record in ``meta.pt``'s package entry.
+RUN_KEY = "optimizers"
+
+
+def group_split(optimizer: Any) -> tuple[int, int]:
+    """How many of an optimizer's param groups are dense, and how many drive fused kernels.
+
+    Args:
+        optimizer: a keyed optimizer.
+
+    Returns:
+        ``(dense, fused)``; every group counts as dense unless ``optimizer`` is a
+        ``DenseAndFusedOptimizer``.
+    """
+    total = len(optimizer.param_groups)
+    if isinstance(optimizer, DenseAndFusedOptimizer):
+        dense = len(optimizer.dense.param_groups)
+        return dense, total - dense
+    return total, 0
+
+
+def saved_split(saved_groups: int, current: tuple[int, int]) -> tuple[int, int]:
+    """The dense/fused split of ``saved_groups`` groups saved by the same dense optimizer.
+
+    Args:
+        saved_groups: how many groups were saved.
+        current: this optimizer's ``group_split``.
+
+    Returns:
+        ``(dense, fused)`` of the saved groups.
+    """
+    dense = min(current[0], saved_groups)
+    return dense, saved_groups - dense
+
+
+def group_sources(saved: tuple[int, int], current: tuple[int, int]) -> list[int | None]:
+    """For each current group, the saved group whose values it takes.
+
+    Args:
+        saved: the saved groups' ``(dense, fused)``.
+        current: the current groups' ``(dense, fused)``.
+
+    Returns:
+        One saved index per current group; None for a fused group when no fused group was saved.
+    """
+    saved_dense, saved_fused = saved
+    dense, fused = current
+    if saved_dense == dense:
+        sources: list[int | None] = list(range(dense))
+    else:  # the dense optimizer was built otherwise: its first group's values for all
+        sources = [0 if saved_dense else None] * dense
+    if saved_fused == fused:
+        return sources + [saved_dense + k for k in range(fused)]
+    return sources + [saved_dense if saved_fused else None] * fused
+
+
+def run_record(optimizers: list[KeyedOptimizer]) -> list[dict[str, Any]]:
+    """This rank's share of the run's record: its kernels' step and a fused group's values.
+
+    Args:
+        optimizers: the keyed optimizers being saved.
+
+    Returns:
+        One ``{"step": int | None, "fused_group": dict | None}`` per optimizer.
+    """
+    record = []
+    for opt in optimizers:
+        steps = optimizer_steps(opt)
+        dense, fused = group_split(opt)
+        group = opt.param_groups[dense] if fused else None
+        record.append(
+            {
+                "step": max(steps) if steps else None,
+                "fused_group": None
+                if group is None
+                else {k: v for k, v in group.items() if k != "params"},
+            }
+        )
+    return record
+
+
+def merge_run_records(records: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The run's record from every rank's share (rank order): the largest step, a fused group.
+
+    Args:
+        records: every rank's :func:`run_record`.
+
+    Returns:
+        One ``{"step", "fused_group"}`` per optimizer.
+    """
+    merged = []
+    for index in range(len(records[0]) if records else 0):
+        shares = [r[index] for r in records if index < len(r)]
+        steps = [s["step"] for s in shares if s["step"] is not None]
+        groups = [s["fused_group"] for s in shares if s["fused_group"] is not None]
+        step = max(steps) if steps else None
+        merged.append({"step": step, "fused_group": next(iter(groups), None)})
+    return merged
+
+
+def read_run_record(meta: dict[str, Any], package_key: str, where: str) -> list[dict[str, Any]]:
+    """The run's record in a checkpoint's metadata, checked (empty for older checkpoints).
+
+    Args:
+        meta: the checkpoint's metadata (``meta.pt``).
+        package_key: the package's entry in it.
+        where: the file, for errors.
+
+    Returns:
+        One ``{"step": int | None, "fused_group": dict | None}`` per optimizer.
+
+    Raises:
+        CheckpointCorruptError: if the record is not of that form, naming the file.
+    """
+    info = meta.get(package_key)
+    record = info.get(RUN_KEY, []) if isinstance(info, dict) else []
+
+    def entry_ok(e: Any) -> bool:
+        if not isinstance(e, dict) or set(e) != {"step", "fused_group"}:
+            return False
+        step, group = e["step"], e["fused_group"]
+        step_ok = step is None or (type(step) is int and step >= 0)
+        return step_ok and (group is None or all(isinstance(k, str) for k in group))
+
+    if not isinstance(record, list) or not all(entry_ok(e) for e in record):
+        raise CheckpointCorruptError(
+            f"{where}: its record of the optimizers' step counters and fused hyper-parameters "
+            "is not a list of {'step': count or None, 'fused_group': dict or None}"
+        )
+    return record
+
+
+def apply_hyper_params(
+    saved: dict[str, Any], run: list[dict[str, Any]], index: int, optimizer: KeyedOptimizer
+) -> None:
+    """Sets optimizer ``index``'s hyper-parameters and kernel step counter from a checkpoint.
+
+    Args:
+        saved: this rank's saved ``param_groups`` file (checked).
+        run: the run's record (:func:`read_run_record`; empty for older checkpoints).
+        index: the optimizer's index.
+        optimizer: the keyed optimizer.
+    """
+    if index >= len(saved["param_groups"]):
+        return
+    record = run[index] if index < len(run) else {"step": None, "fused_group": None}
+    steps = saved.get("optimizer_steps", [])
+    step = record["step"]
+    if step is None and index < len(steps) and steps[index]:
+        step = max(steps[index])  # an older checkpoint: this rank's own kernels
+    if step is not None:
+        set_optimizer_steps(optimizer, step)
+    groups = saved["param_groups"][index]
+    current = group_split(optimizer)
+    sources = group_sources(saved_split(len(groups), current), current)
+    for position, (group, source) in enumerate(zip(optimizer.param_groups, sources, strict=True)):
+        values = groups[source] if source is not None else None
+        if values is None and position >= current[0]:
+            values = record["fused_group"]
+        for k, v in (values or {}).items():
+            if k in group:
+                group[k] = v
+
+
+def scheduler_state(
+    state: dict[str, Any], optimizer: KeyedOptimizer, fresh: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """An LR scheduler's saved state (rank 0's groups) matched to this rank's param groups.
+
+    Args:
+        state: the scheduler's saved ``state_dict()``.
+        optimizer: the keyed optimizer it schedules, as it is now.
+        fresh: the scheduler's own ``state_dict()`` as built for these groups, for a group no
+            saved value fits (else the group's own ``initial_lr``/``lr``).
+
+    Returns:
+        ``state`` with its per-group lists of one entry per current group (``state`` itself when
+        they already line up).
+    """
+    current = group_split(optimizer)
+    out = dict(state)
+    for key in SCHEDULER_GROUP_KEYS:
+        old = state.get(key)
+        if not isinstance(old, list) or len(old) == sum(current) or not old:
+            continue
+        sources = group_sources(saved_split(len(old), current), current)
+        made = (fresh or {}).get(key)
+        values = []
+        for j, source in enumerate(sources):
+            if source is not None:
+                values.append(old[source])
+            elif isinstance(made, list) and len(made) == len(sources):
+                values.append(made[j])
+            else:
+                values.append(_fallback(key, optimizer.param_groups[j]))
+        out[key] = values
+    nested = state.get(SCHEDULER_NESTED)
+    made = (fresh or {}).get(SCHEDULER_NESTED)
+    made = made if isinstance(made, list) else []
+    if isinstance(nested, list):  # SequentialLR, ChainedScheduler
+        out[SCHEDULER_NESTED] = [
+            scheduler_state(s, optimizer, made[i] if i < len(made) else None)
+            if isinstance(s, dict)
+            else s
+            for i, s in enumerate(nested)
+        ]
+    return out
+
+
+def _fallback(key: str, group: dict[str, Any]) -> Any:
+    # A fused group when rank 0 saved none, and no freshly built value: what a scheduler built on
+    # this group starts from.
+    if key == "lr_lambdas":
+        return None
+    if key == "min_lrs":
+        return 0.0
+    if key == SCHEDULER_LAST_LR:
+        return group["lr"]
+    return group.get("initial_lr", group["lr"])

@@ -1,0 +1,75 @@
+"""Hyper-parameters, step counters and LR-scheduler states matched across plans (no processes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_torchrec.checkpoint.hyper_params import (
+    group_sources,
+    merge_run_records,
+    read_run_record,
+    scheduler_state,
+)
+from lightning_torchrec.errors import CheckpointCorruptError
+
+
+def test_dense_groups_line_up_and_fused_groups_take_a_saved_fused_groups_values() -> None:
+    assert group_sources((2, 3), (2, 3)) == [0, 1, 2, 3, 4]  # same plan: one to one
+    assert group_sources((2, 1), (2, 3)) == [0, 1, 2, 2, 2]  # never the dense group's values
+    assert group_sources((1, 3), (1, 2)) == [0, 1, 1]
+    assert group_sources((1, 0), (1, 2)) == [0, None, None]  # no fused group saved here
+    assert group_sources((1, 2), (2, 2)) == [0, 0, 1, 2]  # another dense optimizer
+
+
+def test_the_run_record_takes_the_largest_counter_and_a_saved_fused_group() -> None:
+    ranks = [
+        [{"step": None, "fused_group": None}],
+        [{"step": 7, "fused_group": {"lr": 0.1}}],
+        [{"step": 6, "fused_group": {"lr": 0.1}}],
+    ]
+    assert merge_run_records(ranks) == [{"step": 7, "fused_group": {"lr": 0.1}}]
+    assert merge_run_records([[{"step": None, "fused_group": None}]] * 2) == [
+        {"step": None, "fused_group": None}
+    ]
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        "not a list",
+        [{"step": -1, "fused_group": None}],
+        [{"step": 1.5, "fused_group": None}],
+        [{"step": True, "fused_group": None}],
+        [{"step": 1, "fused_group": {1: 0.1}}],
+        [{"step": 1}],
+        [{"step": 1, "fused_group": None, "code": "x"}],
+    ],
+)
+def test_a_crafted_run_record_is_refused_naming_the_file(record: object) -> None:
+    with pytest.raises(CheckpointCorruptError, match="meta.pt: its record of the optimizers"):
+        read_run_record({"pkg": {"optimizers": record}}, "pkg", "ckpt/meta.pt")
+    assert read_run_record({}, "pkg", "ckpt/meta.pt") == []  # older checkpoints: none
+
+
+class Groups:
+    """A keyed optimizer's param groups as ``group_split`` reads them (all dense)."""
+
+    def __init__(self, lrs: list[float]) -> None:
+        self.param_groups = [{"lr": lr, "initial_lr": lr} for lr in lrs]
+
+
+def test_scheduler_lists_follow_the_groups_and_nested_schedulers_too() -> None:
+    params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(3)]
+    opt = torch.optim.SGD([{"params": [p]} for p in params], lr=0.1)
+    lam = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))
+    fresh = lam.state_dict()
+    saved = {"base_lrs": [0.5], "_last_lr": [0.25], "last_epoch": 3, "lr_lambdas": [None]}
+    matched = scheduler_state(saved, Groups([0.1, 0.2, 0.3]), fresh)
+    # all three groups count as dense here: the first saved group's values for the others
+    assert matched["base_lrs"] == [0.5, 0.5, 0.5] and matched["_last_lr"] == [0.25] * 3
+    assert matched["last_epoch"] == 3 and matched["lr_lambdas"] == [None] * 3
+    nested = scheduler_state({"_schedulers": [saved, 4]}, Groups([0.1, 0.2]))
+    assert nested["_schedulers"][0]["base_lrs"] == [0.5, 0.5] and nested["_schedulers"][1] == 4
+    lined_up = {"base_lrs": [0.5, 0.6], "_last_lr": [0.1, 0.2]}
+    assert scheduler_state(lined_up, Groups([0.1, 0.2])) == lined_up
