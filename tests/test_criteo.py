@@ -244,6 +244,28 @@ def test_raw_ids_refuse_reduced_days_and_negative_ids(criteo_dir: Path, tmp_path
         next(iter(CriteoIterableDataset("train", days, 4, raw_ids=True)))
 
 
+def test_64_bit_hex_ids_are_reduced_as_unsigned(tmp_path: Path) -> None:
+    """A 16-hex-digit id above 2**63 - 1 is ``int(hex, 16) % size``, whether the modulo is
+    taken when preprocessing or when reading raw int64 days (where it is stored negative)."""
+    hex_ids = ["ffffffffffffffff", "8000000000000005", "7fffffffffffffff", "0000000a"]
+    rows = ["\t".join(["1"] + ["1"] * 13 + [h] * 26) for h in hex_ids]
+    (tmp_path / "tsv").mkdir()
+    (tmp_path / "tsv" / "day_0").write_text("\n".join(rows) + "\n")
+    want = np.array([[int(h, 16) % size for size in SIZES] for h in hex_ids])
+    assert want[:2, 0].tolist() == [(2**64 - 1) % 97, (2**63 + 5) % 97] == [60, 84]
+    reduced = preprocess([tmp_path / "tsv" / "day_0"], tmp_path / "reduced", SIZES)
+    np.testing.assert_array_equal(np.load(tmp_path / "reduced" / "day_0_sparse.npy"), want)
+    raw = preprocess([tmp_path / "tsv" / "day_0"], tmp_path / "raw", None)
+    stored = np.load(tmp_path / "raw" / "day_0_sparse.npy")
+    assert stored.view(np.uint64)[:, 0].tolist() == [int(h, 16) for h in hex_ids]
+    for days in (reduced, raw):
+        batch = next(
+            iter(CriteoIterableDataset("train", days, 4, num_embeddings_per_feature=SIZES))
+        )
+        for f in range(26):
+            np.testing.assert_array_equal(batch.sparse_features[f"cat_{f}"].values(), want[:, f])
+
+
 @pytest.fixture(scope="module")
 def click_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Criteo days of 3000 rows and a Parquet dataset of 4000 rows (250-row groups)."""

@@ -143,3 +143,74 @@ def test_resume_with_hashing(tmp_path: Path) -> None:
             assert torch.equal(b.dense_features, want)
             assert int(b.sparse_features["a"].values().max()) < 7
             assert int(b.sparse_features["b"].values().max()) < 5
+
+
+def test_files_of_different_types_mix_in_a_batch(tmp_path: Path) -> None:
+    """Each file valid alone, their types differ (widths, NOT NULL, list kinds, one id or a
+    list): a batch spanning both is the rows cast to float32 / int64, as for uniform files."""
+    i0, i1 = np.arange(10), np.arange(10, 20)
+    first = pa.table(
+        {
+            "d0": pa.array(i0 * 1.0),
+            "a": pa.array([[int(x), int(x) + 1] for x in i0], pa.list_(pa.int64())),
+            "b": pa.array(i0),  # one id per row here, bags in the other file
+            "label": pa.array(i0 % 2),
+        }
+    )
+    first = first.cast(pa.schema([pa.field(f.name, f.type, nullable=False) for f in first.schema]))
+    second = pa.table(
+        {
+            "d0": pa.array(i1.astype(np.int16)),
+            "a": pa.array([[int(x)] for x in i1], pa.large_list(pa.int32())),
+            "b": pa.array([[int(x)] * 2 for x in i1], pa.list_(pa.uint8())),
+            "label": pa.array((i1 % 2).astype(np.int32)),
+        }
+    )
+    pq.write_table(first, tmp_path / "part-0.parquet", row_group_size=6)
+    pq.write_table(second, tmp_path / "part-1.parquet", row_group_size=6)
+    data = ParquetClickData(str(tmp_path), ["d0"], ["a", "b"], "label", batch_size=8)
+    batches = list(data.train_dataloader())
+    assert len(batches) == 2
+    spanning = batches[1]  # rows 8..15: 2 of the first file, 6 of the second
+    assert torch.equal(spanning.dense_features[:, 0], torch.arange(8.0, 16.0))
+    assert torch.equal(spanning.labels, torch.arange(8, 16) % 2 * 1.0)
+    a, b = spanning.sparse_features["a"], spanning.sparse_features["b"]
+    assert a.lengths().tolist() == [2, 2] + [1] * 6
+    assert a.values().tolist() == [8, 9, 9, 10, *range(10, 16)]
+    assert b.lengths().tolist() == [1, 1] + [2] * 6
+    assert b.values().tolist() == [8, 9] + [x for x in range(10, 16) for _ in range(2)]
+    assert spanning.sparse_features.values().dtype == torch.int64
+    loader = data.train_dataloader()
+    loader.load_state_dict({"start_batch": 1})  # resumed mid-epoch: the spanning batch next
+    (resumed,) = list(loader)
+    assert torch.equal(resumed.dense_features, spanning.dense_features)
+    assert torch.equal(resumed.sparse_features.values(), spanning.sparse_features.values())
+
+
+def test_uint64_ids_are_reduced_unsigned_or_refused(tmp_path: Path) -> None:
+    """64-bit hashed ids above 2**63 - 1: ``id % rows`` of the unsigned value, never wrapped."""
+    ids = [2**63 + 5, 2**64 - 1, 12345678901234567890, 7]
+    table = pa.table(
+        {
+            "d0": np.zeros(4),
+            "a": pa.array(ids, pa.uint64()),
+            "b": pa.array([[x, 3] for x in ids], pa.list_(pa.uint64())),
+            "label": [0, 1, 0, 1],
+        }
+    )
+    pq.write_table(table, tmp_path / "p.parquet")
+    ds = ParquetClickDataset(
+        str(tmp_path), ["d0"], SPARSE, "label", batch_size=4, num_embeddings_per_feature=[1000, 7]
+    )
+    kjt = next(iter(ds)).sparse_features
+    assert kjt["a"].values().tolist() == [x % 1000 for x in ids] == [813, 615, 890, 7]
+    assert kjt["b"].values().tolist() == [v for x in ids for v in (x % 7, 3)]
+    raw = ParquetClickDataset(str(tmp_path), ["d0"], SPARSE, "label", batch_size=4)
+    with pytest.raises(
+        ValueError, match=r"p.parquet .*sparse column 'a' holds id 9223372036854775813"
+    ):
+        next(iter(raw))
+    fits = pa.table({"d0": np.zeros(4), "a": pa.array([2**63 - 1, 0, 1, 2], pa.uint64())})
+    pq.write_table(fits.append_column("label", pa.array([0, 1, 0, 1])), tmp_path / "p.parquet")
+    ds = ParquetClickDataset(str(tmp_path), ["d0"], ["a"], "label", batch_size=4)
+    assert next(iter(ds)).sparse_features.values().tolist() == [2**63 - 1, 0, 1, 2]

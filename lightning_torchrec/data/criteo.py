@@ -48,6 +48,7 @@ from lightning_torchrec.data.criteo_files import (
     find_tsv_files,
     parse_tsv,
     preprocess,
+    reduce_ids,
     table_sizes_array,
 )
 from lightning_torchrec.data.resumable import (
@@ -82,7 +83,8 @@ class CriteoIterableDataset(ResumableIterableDataset):
         rank: this process's rank.
         world_size: the number of ranks.
         num_workers: the DataLoader workers that will iterate this dataset (0 or more).
-        num_embeddings_per_feature: ids are taken modulo these table sizes when read.
+        num_embeddings_per_feature: ids are taken modulo these table sizes when read (raw
+            int64 ids as the unsigned values they hold, see :func:`reduce_ids`).
         raw_ids: yield the stored ids unchanged, as ``int64`` (for managed-collision tables,
             which remap raw ids themselves); ``num_embeddings_per_feature`` must then be None.
 
@@ -118,6 +120,11 @@ class CriteoIterableDataset(ResumableIterableDataset):
         self.raw_ids = raw_ids
         if raw_ids:
             _check_raw_days(self.paths["sparse"], self.hashes)
+        # Raw int64 ids are reduced here, as uint64: TorchRec's reader would take the modulo of
+        # a 16-hex-digit id above 2**63 - 1 from its negative int64, a wrong row.
+        self.reduce_here = self.hashes is not None and any(
+            np.load(p, mmap_mode="r").dtype == np.int64 for p in self.paths["sparse"]
+        )
         rows = [BinaryCriteoUtils.get_shape_from_npy(p)[0] for p in self.paths["dense"]]
         if stage == "val":
             rows = [math.ceil(rows[0] / 2)]
@@ -149,7 +156,7 @@ class CriteoIterableDataset(ResumableIterableDataset):
             world_size=self.world_size * num_slots,
             drop_last=True,
             mmap_mode=True,
-            hashes=self.hashes,
+            hashes=None if self.reduce_here else self.hashes,
         )
         np.random.set_state(numpy_state)
         # TorchRec wraps its read-only memory maps with torch.from_numpy (compat.upstream
@@ -157,9 +164,12 @@ class CriteoIterableDataset(ResumableIterableDataset):
         for i, b in enumerate(pipe):
             if i < skip:
                 continue
+            sparse = _raw(b.sparse_features) if self.raw_ids else b.sparse_features
+            if self.reduce_here:
+                sparse = _reduced(sparse, np.asarray(self.hashes, dtype=np.int64))
             yield Batch(
                 dense_features=b.dense_features.clone(),
-                sparse_features=_raw(b.sparse_features) if self.raw_ids else b.sparse_features,
+                sparse_features=sparse,
                 labels=b.labels.to(torch.float32),
             )
 
@@ -178,6 +188,20 @@ def _check_raw_days(sparse_files: Sequence[str], hashes: Sequence[int] | None) -
                 f"raw_ids=True needs raw int64 ids, but {path} holds {dtype} ids (reduced modulo "
                 "table sizes when preprocessed): preprocess without num_embeddings_per_feature"
             )
+
+
+def _reduced(kjt: KeyedJaggedTensor, sizes: np.ndarray) -> KeyedJaggedTensor:
+    """The batch with its ids (one per sample and feature) modulo the features' table sizes."""
+    ids = reduce_ids(kjt.values().numpy().reshape(len(sizes), -1), sizes[:, None])
+    return KeyedJaggedTensor(
+        keys=kjt.keys(),
+        values=torch.from_numpy(ids.reshape(-1)),
+        lengths=kjt.lengths(),
+        offsets=kjt.offsets(),
+        stride=kjt.stride(),
+        length_per_key=kjt.length_per_key(),
+        offset_per_key=kjt.offset_per_key(),
+    )
 
 
 def _raw(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:

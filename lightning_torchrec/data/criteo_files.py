@@ -45,7 +45,11 @@ MARKER = "lightning_torchrec_preprocess.json"
 
 
 def _hex_column(array: pa.Array | pa.ChunkedArray, name: str) -> np.ndarray:
-    """Parses a string column of hex ids (empty or null is 0) without Python objects."""
+    """Parses a string column of hex ids (empty or null is 0) without Python objects.
+
+    The ids come back as int64 holding the bits of the uint64 value: one of 16 hex digits
+    above ``2**63 - 1`` is negative; ``ids.view(np.uint64)`` is its value (see :func:`reduce_ids`).
+    """
     if isinstance(array, pa.ChunkedArray):
         array = array.combine_chunks()
     array = pc.fill_null(array.cast(pa.string()), "")
@@ -69,7 +73,25 @@ def _hex_column(array: pa.Array | pa.ChunkedArray, name: str) -> np.ndarray:
             bad = int(np.flatnonzero(valid & (digits == 255))[0])
             raise ValueError(f"column {name}: row {bad} is not a hex id")
         values = np.where(valid, values * np.uint64(16) + digits.astype(np.uint64), values)
-    return values.astype(np.int64)
+    return values.view(np.int64)
+
+
+def reduce_ids(ids: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Ids modulo table sizes, as int64; int64 ids are taken as the uint64 values they hold.
+
+    A 16-hex-digit id above ``2**63 - 1`` is stored as a negative int64 (the same 64 bits);
+    its modulo is that of the unsigned value, ``int(hex_id, 16) % size``, not of the negative.
+
+    Args:
+        ids: ``[..., F]`` int64 ids (as :func:`parse_tsv` yields them) or smaller integers.
+        sizes: ``[F]`` positive table sizes, broadcast against ``ids``.
+
+    Returns:
+        ``ids % sizes`` in ``[0, size)``, int64.
+    """
+    if ids.dtype != np.int64:
+        return ids % sizes.astype(np.int64)
+    return (ids.view(np.uint64) % sizes.astype(np.uint64)).view(np.int64)
 
 
 def _int_column(array: pa.Array | pa.ChunkedArray) -> np.ndarray:
@@ -96,7 +118,8 @@ def parse_tsv(
 
     Yields:
         ``(labels int32 [n], dense int64 [n, 13], sparse int64 [n, 26])`` with TorchRec's
-        parsing: empty fields are 0, categorical ids are 32-bit hex.
+        parsing: empty fields are 0, categorical ids are 32-bit hex (one of 16 hex digits above
+        ``2**63 - 1`` is negative: its bits, see :func:`reduce_ids`).
 
     Raises:
         ValueError: for a file with neither 40 nor 39 columns, or a malformed field.
@@ -277,7 +300,7 @@ def preprocess(
         for labels, dense, sparse in parse_tsv(path, block_size=block_size):
             dense = np.log1p(np.maximum(dense, 0)).astype(np.float32)
             if hashes is not None:
-                sparse = sparse % hashes
+                sparse = reduce_ids(sparse, hashes)
             start = 0
             while start < len(labels):
                 if writer is None or writer.remaining == 0:

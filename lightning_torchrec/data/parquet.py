@@ -5,8 +5,9 @@ readers (each rank's DataLoader workers), each reader streams its row groups one
 memory holds one row group and a partial batch) and cuts them into batches. Every reader yields
 the same number of batches (the smallest reader's count; the rest is dropped), so every rank
 gets the same number of batches per epoch. List columns become jagged ids (one bag per sample),
-integer columns one id per sample. The order is fixed (files, then row groups, as given), and a
-checkpoint written mid-epoch resumes at the next batch exactly.
+integer columns one id per sample. Row groups are cast to one schema (float32 numbers, int64
+ids), so files whose columns differ in width or nullability mix in a batch. The order is fixed
+(files, then row groups, as given), and a checkpoint written mid-epoch resumes exactly.
 """
 
 from __future__ import annotations
@@ -63,10 +64,12 @@ def _is_number(t: pa.DataType) -> bool:
     return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
 
 
+def _is_bag(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t)
+
+
 def _is_ids(t: pa.DataType) -> bool:
-    if pa.types.is_list(t) or pa.types.is_large_list(t):
-        return pa.types.is_integer(t.value_type)
-    return pa.types.is_integer(t)
+    return pa.types.is_integer(t.value_type if _is_bag(t) else t)
 
 
 def _check_schema(
@@ -92,14 +95,45 @@ def _check_schema(
             raise ValueError(f"{path}: {role} column {column!r} must be {expected}, got {t}")
 
 
-def _ids(array: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
-    """(values int64, lengths int32) of a list or integer column; null lists are empty."""
+def _reduce(values: np.ndarray, size: int | None, where: str) -> np.ndarray:
+    """Ids as int64 modulo ``size`` (None: as is); uint64 ids are reduced as uint64, not wrapped."""
+    if values.dtype == np.uint64:
+        if size is not None:
+            return (values % np.uint64(size)).astype(np.int64)
+        too_big = values > np.uint64(np.iinfo(np.int64).max)
+        if too_big.any():
+            raise ValueError(
+                f"{where} holds id {int(values[too_big][0])}, above the int64 maximum "
+                "2**63 - 1: pass num_embeddings_per_feature to take ids modulo the table sizes"
+            )
+    values = values.astype(np.int64)
+    return values if size is None else values % size
+
+
+def _ids(array: pa.ChunkedArray, size: int | None, where: str, bags: bool) -> pa.Array:
+    """An id column as int64 ids modulo ``size``, without nulls.
+
+    A large list array (a null list is empty) if ``bags`` or the column holds lists, else int64.
+    """
     arr = array.combine_chunks()
-    if pa.types.is_integer(arr.type):
-        return pc.fill_null(arr, 0).to_numpy().astype(np.int64), np.ones(len(arr), np.int32)
-    lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy().astype(np.int32)
-    values = pc.fill_null(arr.flatten(), 0).to_numpy().astype(np.int64)
-    return values, lengths
+    if not _is_bag(arr.type):
+        values = _reduce(pc.fill_null(arr, 0).to_numpy(), size, where)
+        if not bags:
+            return pa.array(values)
+        offsets = np.arange(len(arr) + 1, dtype=np.int64)
+    else:
+        lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy().astype(np.int64)
+        values = _reduce(pc.fill_null(arr.flatten(), 0).to_numpy(), size, where)
+        offsets = np.concatenate([np.zeros(1, np.int64), np.cumsum(lengths)])
+    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))
+
+
+def _bag_values(array: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    """(values int64, lengths int32) of an id column made by :func:`_ids`."""
+    arr = array.combine_chunks()
+    if not _is_bag(arr.type):
+        return arr.to_numpy(), np.ones(len(arr), np.int32)
+    return arr.flatten().to_numpy(), pc.list_value_length(arr).to_numpy().astype(np.int32)
 
 
 def _number(array: pa.ChunkedArray) -> pa.Array:
@@ -170,16 +204,16 @@ class ParquetClickDataset(ResumableIterableDataset):
         self.world_size = world_size
         self.num_slots = max(num_workers, 1)
         self.row_groups: list[tuple[int, int, int]] = []  # (file, row group, rows)
+        # A sparse column is read as bags (jagged) if any file holds it as lists.
+        self.bags = [False] * len(self.sparse_columns)
         for i, path in enumerate(self.files):
             meta = pq.read_metadata(path)
+            schema = meta.schema.to_arrow_schema()
             _check_schema(
-                path,
-                meta.schema.to_arrow_schema(),
-                self.dense_columns,
-                self.sparse_columns,
-                label_column,
-                weight_column,
+                path, schema, self.dense_columns, self.sparse_columns, label_column, weight_column
             )
+            for f, column in enumerate(self.sparse_columns):
+                self.bags[f] |= _is_bag(schema.field(column).type)
             self.row_groups += [
                 (i, g, meta.row_group(g).num_rows) for g in range(meta.num_row_groups)
             ]
@@ -205,33 +239,52 @@ class ParquetClickDataset(ResumableIterableDataset):
         extra = [self.weight_column] if self.weight_column else []
         return self.dense_columns + self.sparse_columns + [self.label_column] + extra
 
-    def to_batch(self, table: pa.Table) -> Batch:
+    def to_batch(self, table: pa.Table, source: str = "table") -> Batch:
         """Converts rows (a table with :meth:`columns`) to a batch.
 
         Args:
             table: the rows.
+            source: where the rows come from, for errors.
 
         Returns:
             The batch.
+
+        Raises:
+            ValueError: naming the source, column and id, for an id above ``2**63 - 1`` (uint64).
         """
+        return self._batch(self._normalise(table, source))
+
+    def _normalise(self, table: pa.Table, source: str) -> pa.Table:
+        """Rows in the dataset's one schema, whatever the file's widths and nullability.
+
+        Numbers become float32 (null is 0), ids int64 modulo the table sizes (null lists are
+        empty bags, null ids 0): row groups of differently typed files concatenate.
+        """
+        columns = {c: _number(table.column(c)) for c in self.dense_columns}
+        for f, c in enumerate(self.sparse_columns):
+            size = None if self.hashes is None else self.hashes[f]
+            where = f"{source}: sparse column {c!r}"
+            columns[c] = _ids(table.column(c), size, where, self.bags[f])
+        for c in [self.label_column] + ([self.weight_column] if self.weight_column else []):
+            columns[c] = _number(table.column(c))
+        return pa.table(columns)
+
+    def _batch(self, rows: pa.Table) -> Batch:
+        """The batch of rows made by :meth:`_normalise`."""
         # np.stack copies the columns into one writable [batch, dense] array.
-        dense = np.stack([_number(table.column(c)).to_numpy() for c in self.dense_columns], 1)
-        values, lengths = [], []
-        for f, column in enumerate(self.sparse_columns):
-            v, n = _ids(table.column(column))
-            values.append(v if self.hashes is None else v % self.hashes[f])
-            lengths.append(n)
+        dense = np.stack([_number(rows.column(c)).to_numpy() for c in self.dense_columns], 1)
+        ids = [_bag_values(rows.column(c)) for c in self.sparse_columns]
         weights = None
         if self.weight_column is not None:
-            weights = _number_tensor(table.column(self.weight_column))
+            weights = _number_tensor(rows.column(self.weight_column))
         return Batch(
             dense_features=torch.from_numpy(dense),
             sparse_features=KeyedJaggedTensor.from_lengths_sync(
                 keys=self.feature_names,
-                values=torch.from_numpy(np.concatenate(values)),
-                lengths=torch.from_numpy(np.concatenate(lengths)),
+                values=torch.from_numpy(np.concatenate([v for v, _ in ids])),
+                lengths=torch.from_numpy(np.concatenate([n for _, n in ids])),
             ),
-            labels=_number_tensor(table.column(self.label_column)),
+            labels=_number_tensor(rows.column(self.label_column)),
             weights=weights,
         )
 
@@ -260,9 +313,11 @@ class ParquetClickDataset(ResumableIterableDataset):
             table = opened[file_index].read_row_group(group, columns=self.columns())
             if to_skip:
                 table, to_skip = table.slice(to_skip), 0
+            # One schema for every file's rows: a batch may span two files.
+            table = self._normalise(table, f"{self.files[file_index]} (row group {group})")
             pending = table if pending is None else pa.concat_tables([pending, table])
             while pending.num_rows >= self.batch_size and produced < self.batches_per_slot:
-                yield self.to_batch(pending.slice(0, self.batch_size))
+                yield self._batch(pending.slice(0, self.batch_size))
                 pending = pending.slice(self.batch_size)
                 produced += 1
 
