@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from lightning_torchrec.checkpoint.manifest import MANIFEST_FILE, file_checksum
 from lightning_torchrec.errors import CheckpointMismatchError
 from lightning_torchrec.training.optim import optimizer_steps, set_optimizer_steps
 from tests.scripts.factory import adam, cpu_trainer, table_wise, tiny_data, tiny_dlrm
+from tests.scripts.hostile import restamp
 
 ROWS = 60
 
@@ -285,3 +287,33 @@ def test_a_dense_parameter_without_gradients_resumes_without_optimizer_state(
     assert (
         plain_state_of(resumed.optimizers[0]).keys() == plain_state_of(whole.optimizers[0]).keys()
     )
+
+
+class BuildRecorder(DLRMClickModule):
+    """Records the device each construction's new tensors go to (meta: no memory)."""
+
+    built: list[str] = []
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        BuildRecorder.built.append(torch.empty(0).device.type)
+        super().__init__(*args, **kwargs)
+
+
+def test_hyper_parameters_of_a_stranger_are_checked_before_memory_is_taken(
+    fitted, tmp_path: Path
+) -> None:
+    ckpt, _ = fitted
+    bad = tmp_path / "wide.ckpt"
+    shutil.copytree(ckpt, bad)
+    meta = torch.load(bad / META_FILE, weights_only=True)
+    width = 1 << 20  # a 2**40-element dense layer, were it built
+    meta["hyper_parameters"] |= {"num_dense_features": width, "dense_arch_layer_sizes": [width, 4]}
+    torch.save(meta, bad / META_FILE)
+    restamp(bad, META_FILE)
+    BuildRecorder.built = []
+    with pytest.raises(CheckpointMismatchError, match="shapes differ: .*dense_arch"):
+        BuildRecorder.load_from_checkpoint(bad)
+    assert BuildRecorder.built == ["meta"]  # refused before the real build
+    BuildRecorder.built = []
+    loaded = BuildRecorder.load_from_checkpoint(ckpt)  # the checkpoint's own: built for real
+    assert BuildRecorder.built == ["meta", "cpu"] and isinstance(loaded, BuildRecorder)

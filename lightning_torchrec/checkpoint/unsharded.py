@@ -166,6 +166,34 @@ def meta_tensors(module: nn.Module) -> list[str]:
 
 
 @torch.no_grad()
+def check_fits(
+    target: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], strict: bool = True
+) -> None:
+    """Checks that tensors of ``shapes`` fit a state dict (the keys, with ``strict``, and shapes).
+
+    Args:
+        target: the module's state dict (its tensors may be on the meta device, or sharded).
+        shapes: the global shape of every source tensor.
+        strict: also require the same keys.
+
+    Raises:
+        CheckpointMismatchError: naming the missing, unexpected and misshapen keys.
+    """
+    keys = [k for k, v in target.items() if isinstance(v, torch.Tensor)]
+    missing = [k for k in keys if k not in shapes]
+    extra = [k for k in shapes if k not in target]
+    wrong = [
+        f"{k}: source {list(shapes[k])}, model {list(global_shape(target[k]))}"
+        for k in keys
+        if k in shapes and tuple(global_shape(target[k])) != tuple(shapes[k])
+    ]
+    if wrong or (strict and (missing or extra)):
+        raise CheckpointMismatchError(
+            f"the weights do not fit the model: missing {missing}, unexpected {extra}, "
+            f"shapes differ: {wrong}"
+        )
+
+
 def fill_plain(
     module: nn.Module,
     shapes: Mapping[str, tuple[int, ...]],
@@ -193,19 +221,7 @@ def fill_plain(
             for the tensors left on meta).
     """
     target = module.state_dict()
-    keys = [k for k, v in target.items() if isinstance(v, torch.Tensor)]
-    missing = [k for k in keys if k not in shapes]
-    extra = [k for k in shapes if k not in target]
-    wrong = [
-        f"{k}: source {list(shapes[k])}, model {list(global_shape(target[k]))}"
-        for k in keys
-        if k in shapes and tuple(global_shape(target[k])) != tuple(shapes[k])
-    ]
-    if wrong or (strict and (missing or extra)):
-        raise CheckpointMismatchError(
-            f"the weights do not fit the model: missing {missing}, unexpected {extra}, "
-            f"shapes differ: {wrong}"
-        )
+    check_fits(target, shapes, strict)
     on_meta = set(meta_tensors(module))
     loaded = []
     for key, tensor in tensors:
@@ -271,7 +287,20 @@ def load_unsharded(
         hparams = meta.get("hyper_parameters") or {}
         if not isinstance(hparams, dict) or not all(isinstance(k, str) for k in hparams):
             raise CheckpointCorruptError(f"{checkpoint}: its hyper_parameters are not a dict")
-        module = module(**{**hparams, **init_args})
+        shapes = {k: tuple(v.size) for k, v in entries.items()}
+        args = {**hparams, **init_args}
+        # The hyper-parameters come from the file: the model they describe is built on the meta
+        # device first (no memory) and checked against the checkpoint's shapes, so a crafted
+        # width cannot make the real build allocate without bound.
+        try:
+            with torch.device("meta"):
+                probe = module(**args)
+        except Exception:  # noqa: BLE001 - a constructor that cannot run on meta: build it
+            probe = None
+        if probe is not None:
+            check_fits(probe.state_dict(), shapes, strict)
+            del probe
+        module = module(**args)
     elif init_args:
         raise TypeError(f"constructor arguments {sorted(init_args)} need a class, not a module")
     shapes = {k: tuple(v.size) for k, v in entries.items()}
