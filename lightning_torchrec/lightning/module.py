@@ -60,9 +60,8 @@ class TorchRecModule(L.LightningModule):
     Trains, validates and tests; logs ``train/loss`` (in the progress bar on the CPU only: on
     CUDA, reading it at every refresh would wait for the GPU), ``val/loss``, ``val/auroc``,
     ``test/loss`` and ``test/auroc`` (AUROC from torchmetrics, synchronised across ranks), and
-    the recommendation metrics of ``torchrec.metrics`` (see
-    :mod:`lightning_torchrec.training.metrics`),
-    synchronised across ranks:
+    the recommendation metrics (NE, calibration, AUROC, AUPRC, kept on the device; see
+    :mod:`lightning_torchrec.training.metrics`), synchronised across ranks:
 
     * ``val/ne``, ``val/calibration``, ``val/auprc`` (and ``test/...``) over the whole
       evaluation;

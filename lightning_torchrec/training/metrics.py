@@ -1,23 +1,27 @@
 """Recommendation metrics: NE, calibration, AUROC and AUPRC, windowed and lifetime, per task.
 
-:class:`RecMetrics` computes them with ``torchrec.metrics`` (the implementations TorchRec users
-already read and compare against), synchronised across ranks when a process group exists. The
-functions :func:`normalized_entropy`, :func:`calibration`, :func:`auroc` and :func:`auprc` are the
-textbook definitions on plain tensors, used to check the synchronised values and handy offline.
+:class:`RecMetrics` keeps its state on the device and synchronises it across ranks at
+:meth:`~RecMetrics.compute` only. The functions :func:`normalized_entropy`, :func:`calibration`,
+:func:`auroc` and :func:`auprc` are the textbook definitions on plain tensors: the window values
+are these functions of the window's samples, and they are handy offline.
 
 * **NE** (normalized entropy): the mean weighted cross-entropy of the predictions divided by
   the entropy of the weighted base rate ``p``, ``-(p log p + (1 - p) log(1 - p))``. 1.0 is no
   better than always predicting the base rate; lower is better.
 * **calibration**: ``sum(w * prediction) / sum(w * label)``; 1.0 means the predicted click rate
   matches the observed one.
-* **AUROC**, **AUPRC**: ranking quality; AUPRC suits rare positives.
+* **AUROC**, **AUPRC**: ranking quality (tied predictions count half); AUPRC suits rare
+  positives.
 
-*Lifetime* values cover every sample since the last reset; *window* values the most recent
-``window_size`` samples over all ranks. AUROC and AUPRC have window values only: TorchRec's AUC
-has no lifetime value (it would need every prediction of the run), and its "lifetime" AUPRC is a
-weighted mean of the window values at each ``compute()`` (averaged over tasks), not the AUPRC of
-the samples; it is left out. For an evaluation, make the window hold every sample (the module
-does), and the window values are the values of the whole evaluation.
+*Lifetime* values cover every sample since the last reset (running sums); *window* values the
+last ``window_size`` samples over all ranks, whatever the batch size (a ring of the samples on
+the device, :mod:`~lightning_torchrec.training.window_metrics`). AUROC and AUPRC have window
+values only: a lifetime value would need every prediction of the run. For an evaluation, make
+the window hold every sample (the module does), and the window values are the values of the
+whole evaluation. NE and calibration follow ``torchrec.metrics`` (``NEMetric``,
+``CalibrationMetric``: the same clamping, a calibration of 0 without positive labels), and so
+does the no-signal AUROC of a window without positives or negatives, 0.5 (and its AUPRC is 0
+without positives).
 """
 
 from __future__ import annotations
@@ -25,11 +29,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torchrec.metrics.auc import AUCMetric
-from torchrec.metrics.auprc import AUPRCMetric
-from torchrec.metrics.calibration import CalibrationMetric
-from torchrec.metrics.ne import NEMetric
-from torchrec.metrics.rec_metric import RecComputeMode, RecMetric, RecTaskInfo
+
+from lightning_torchrec.training.window_metrics import SampleWindow, all_reduce_sum, gather_window
 
 __all__ = [
     "RecMetrics",
@@ -43,15 +44,9 @@ __all__ = [
 #: Predictions are clamped to [ETA, 1 - ETA] in the cross-entropy, as in torchrec.metrics.
 ETA = 1e-12
 
-_METRICS: dict[str, type[RecMetric]] = {
-    "ne": NEMetric,
-    "calibration": CalibrationMetric,
-    "auroc": AUCMetric,
-    "auprc": AUPRCMetric,
-}
-#: torchrec's own names for the metrics, in the keys ``compute()`` returns.
+_METRICS = ("ne", "calibration", "auroc", "auprc")
+#: The metrics with a lifetime value.
 _LIFETIME = {"ne", "calibration"}
-_TORCHREC_NAMES = {"ne": "ne", "calibration": "calibration", "auroc": "auc", "auprc": "auprc"}
 
 
 def _weights(labels: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
@@ -100,12 +95,25 @@ def _curve(
     predictions: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cumulative weighted true and false positives at each distinct threshold, descending."""
-    order = torch.argsort(predictions.double(), descending=True)
-    p = predictions.double()[order]
+    p, order = torch.sort(predictions.double(), descending=True)
     y = labels.double()[order]
     w = _weights(labels.double(), weights)[order]
-    last_of_tie = torch.cat([p[1:] != p[:-1], torch.tensor([True])])
+    last_of_tie = torch.cat([p[1:] != p[:-1], p.new_ones(1, dtype=torch.bool)])
     return torch.cumsum(w * y, 0)[last_of_tie], torch.cumsum(w * (1 - y), 0)[last_of_tie]
+
+
+def _auroc_of_curve(tp: torch.Tensor, fp: torch.Tensor) -> torch.Tensor:
+    tpr = torch.cat([tp.new_zeros(1), tp / tp[-1]])
+    fpr = torch.cat([fp.new_zeros(1), fp / fp[-1]])
+    return torch.trapezoid(tpr, fpr)
+
+
+def _auprc_of_curve(tp: torch.Tensor, fp: torch.Tensor) -> torch.Tensor:
+    # No weight above a threshold yet (zero-weight samples ranked first): no recall either.
+    precision = torch.where(tp + fp > 0, tp / (tp + fp), 1.0)
+    recall = tp / tp[-1]
+    previous = torch.cat([recall.new_zeros(1), recall[:-1]])
+    return ((recall - previous) * precision).sum()
 
 
 def auroc(
@@ -121,10 +129,7 @@ def auroc(
     Returns:
         A float64 scalar.
     """
-    tp, fp = _curve(predictions, labels, weights)
-    tpr = torch.cat([tp.new_zeros(1), tp / tp[-1]])
-    fpr = torch.cat([fp.new_zeros(1), fp / fp[-1]])
-    return torch.trapezoid(tpr, fpr)
+    return _auroc_of_curve(*_curve(predictions, labels, weights))
 
 
 def auprc(
@@ -140,11 +145,7 @@ def auprc(
     Returns:
         A float64 scalar.
     """
-    tp, fp = _curve(predictions, labels, weights)
-    precision = tp / (tp + fp)
-    recall = tp / tp[-1]
-    previous = torch.cat([recall.new_zeros(1), recall[:-1]])
-    return ((recall - previous) * precision).sum()
+    return _auprc_of_curve(*_curve(predictions, labels, weights))
 
 
 def batch_size_of(batch: object) -> int:
@@ -159,11 +160,48 @@ def batch_size_of(batch: object) -> int:
     return len(batch.labels)  # type: ignore[attr-defined]
 
 
-class RecMetrics:
-    """NE, calibration, AUROC and AUPRC of one or more tasks, with ``torchrec.metrics``.
+def _sums(rows: torch.Tensor) -> torch.Tensor:
+    """Sums over ``[N, 3, T]`` (prediction, label, weight) rows, ``[4, T]`` float64.
 
-    Built on the first :meth:`update` (TorchRec needs the batch size). :meth:`compute` gathers
-    the states of every rank (a collective: every rank calls it at the same point).
+    They are the weighted cross-entropy (in bits, predictions clamped), the weights, the
+    weighted labels and the weighted predictions: the states of TorchRec's NE and calibration.
+    """
+    rows = rows.double()
+    p, y, w = rows[:, 0], rows[:, 1], rows[:, 2]
+    clamped = p.clamp(ETA, 1 - ETA)
+    ce = -w * (y * torch.log2(clamped) + (1 - y) * torch.log2(1 - clamped))
+    return torch.stack([ce, w, w * y, w * p]).sum(1)
+
+
+def _ne_and_calibration(sums: torch.Tensor) -> dict[str, torch.Tensor]:
+    """NE and calibration ``[T]`` from :func:`_sums` (TorchRec's ``compute_ne``, ...)."""
+    ce, w, pos, wp = sums
+    base = (pos / w.clamp(min=ETA)).clamp(ETA, 1 - ETA)
+    entropy = -pos * torch.log2(base) - (w - pos) * torch.log2(1 - base)
+    return {"ne": ce / entropy, "calibration": torch.where(pos <= 0, 0.0, wp / pos)}
+
+
+def _ranking(rows: torch.Tensor, names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """AUROC and AUPRC of ``[N, 3]`` rows (one sort); 0.5 and 0 where they have no signal."""
+    no_signal = {"auroc": 0.5, "auprc": 0.0}
+    wanted = [name for name in names if name in no_signal]
+    if rows.shape[0] == 0 or not wanted:
+        return {name: rows.new_tensor(no_signal[name], dtype=torch.float64) for name in wanted}
+    tp, fp = _curve(rows[:, 0], rows[:, 1], rows[:, 2])
+    area = {"auroc": _auroc_of_curve, "auprc": _auprc_of_curve}
+    # The last point of the curve holds the weighted positives and negatives.
+    signal = {"auroc": tp[-1] * fp[-1] > 0, "auprc": tp[-1] > 0}
+    return {name: torch.where(signal[name], area[name](tp, fp), no_signal[name]) for name in wanted}
+
+
+class RecMetrics:
+    """NE, calibration, AUROC and AUPRC of one or more tasks, windowed and lifetime.
+
+    :meth:`update` keeps everything on the device, without host synchronisation: the last
+    ``window_size`` samples in a :class:`~lightning_torchrec.training.window_metrics.SampleWindow`,
+    running sums for the lifetime NE and calibration. :meth:`compute` gathers the window and
+    sums the lifetime states of every rank (a collective: every rank calls it at the same point,
+    after as many updates).
 
     Args:
         tasks: task names; predictions and labels are ``[B]`` for one task, ``[B, T]`` for
@@ -174,7 +212,7 @@ class RecMetrics:
         rank: this rank (None: the process group's, or 0).
 
     Raises:
-        ValueError: for an unknown metric or no task.
+        ValueError: for an unknown metric, no task, or a window of less than 1 sample.
     """
 
     def __init__(
@@ -188,6 +226,8 @@ class RecMetrics:
         unknown = sorted(set(metrics) - set(_METRICS))
         if unknown or not tasks:
             raise ValueError(f"unknown metrics {unknown} (known: {sorted(_METRICS)}) or no task")
+        if window_size < 1:
+            raise ValueError(f"window_size must be at least 1 sample, got {window_size}")
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.world_size = world_size or (torch.distributed.get_world_size() if distributed else 1)
         self.rank = (
@@ -196,25 +236,8 @@ class RecMetrics:
         self.tasks = list(tasks)
         self.metric_names = list(metrics)
         self.window_size = window_size
-        self.metrics: dict[str, RecMetric] = {}
-
-    def _build(self, batch_size: int, device: torch.device) -> None:
-        infos = [
-            RecTaskInfo(name=t, label_name=t, prediction_name=t, weight_name=t) for t in self.tasks
-        ]
-        window = max(self.window_size, batch_size * self.world_size)
-        self.metrics = {
-            name: _METRICS[name](
-                world_size=self.world_size,
-                my_rank=self.rank,
-                batch_size=batch_size,
-                tasks=infos,
-                compute_mode=RecComputeMode.UNFUSED_TASKS_COMPUTATION,
-                window_size=window,
-                compute_on_all_ranks=True,
-            ).to(device)
-            for name in self.metric_names
-        }
+        self.window: SampleWindow | None = None
+        self.lifetime: torch.Tensor | None = None
 
     def update(
         self,
@@ -222,7 +245,7 @@ class RecMetrics:
         labels: torch.Tensor,
         weights: torch.Tensor | None = None,
     ) -> None:
-        """Adds a batch.
+        """Adds a batch (on the device; no host synchronisation).
 
         Args:
             predictions: probabilities, ``[B]`` or ``[B, T]``.
@@ -240,13 +263,13 @@ class RecMetrics:
             weights = (weights.unsqueeze(1) if weights.dim() == 1 else weights).expand_as(
                 predictions
             )
-        if not self.metrics:
-            self._build(predictions.shape[0], predictions.device)
-        p = {t: predictions[:, i] for i, t in enumerate(self.tasks)}
-        y = {t: labels[:, i] for i, t in enumerate(self.tasks)}
-        w = {t: weights[:, i] for i, t in enumerate(self.tasks)}
-        for metric in self.metrics.values():
-            metric.update(predictions=p, labels=y, weights=w)
+        rows = torch.stack([predictions, labels, weights], 1)
+        if self.window is None:
+            self.window = SampleWindow(self.window_size)
+        self.window.append(rows)
+        if _LIFETIME.intersection(self.metric_names):
+            sums = _sums(rows)
+            self.lifetime = sums if self.lifetime is None else self.lifetime + sums
 
     def compute(self) -> dict[str, torch.Tensor]:
         """The metrics over every rank.
@@ -255,20 +278,27 @@ class RecMetrics:
             ``{"{metric}/{task}/{lifetime|window}": value}`` (float scalars); empty before
             the first update.
         """
+        if self.window is None:
+            return {}
+        rows = gather_window(self.window, self.world_size, self.rank)
+        values: dict[str, dict[str, torch.Tensor]] = {"window": _ne_and_calibration(_sums(rows))}
+        if self.lifetime is not None:
+            values["lifetime"] = _ne_and_calibration(all_reduce_sum(self.lifetime, self.world_size))
+        ranking = [_ranking(rows[:, :, t], self.metric_names) for t in range(len(self.tasks))]
         out: dict[str, torch.Tensor] = {}
-        for name, metric in self.metrics.items():
-            trname = _TORCHREC_NAMES[name]
-            values = metric.compute()
-            for task in self.tasks:
-                for scope in ("lifetime", "window") if name in _LIFETIME else ("window",):
-                    key = f"{trname}-{task}|{scope}_{trname}"
-                    if key in values:
-                        out[f"{name}/{task}/{scope}"] = values[key].reshape(()).float()
+        for name in self.metric_names:
+            for t, task in enumerate(self.tasks):
+                if name in _LIFETIME:
+                    for scope in ("lifetime", "window"):
+                        out[f"{name}/{task}/{scope}"] = values[scope][name][t].reshape(()).float()
+                else:
+                    out[f"{name}/{task}/window"] = ranking[t][name].reshape(()).float()
         return out
 
     def reset(self) -> None:
-        """Forgets every sample (the next update rebuilds the metrics)."""
-        self.metrics = {}
+        """Forgets every sample."""
+        self.window = None
+        self.lifetime = None
 
     def named(self, prefix: str, scope: str | None = None) -> dict[str, torch.Tensor]:
         """:meth:`compute` with logger-friendly keys.
