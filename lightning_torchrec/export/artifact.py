@@ -43,6 +43,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from lightning_torchrec.checkpoint.outputs import USER_ERRORS, OwnedTemp, check_output, user_error
 from lightning_torchrec.checkpoint.signing import read_key_file
 from lightning_torchrec.compat.upstream import drop_unused_range_constraints
+from lightning_torchrec.export.archive import load_pt2, load_torchscript
 from lightning_torchrec.export.managed import RawIdRemap
 from lightning_torchrec.export.modules import strip_table_buffers
 from lightning_torchrec.export.quantize import DTYPES, quantize_from_checkpoint
@@ -260,6 +261,9 @@ def export(
     if args is None and format == "pt2" and facts["dense_width"] is not None:
         args = _default_inputs(facts)
     artifact = trace(model, format, args)
+    if format == "torchscript" and args is not None:  # pt2: tracing ran it on them
+        with torch.inference_mode():  # an artifact that fails its example is not written
+            artifact(*args)
     info = {
         "format": format,
         "dtype": dtype,
@@ -314,14 +318,17 @@ def load_artifact(path: str | Path) -> Any:
         A callable module: ``model(dense_features, sparse_features) -> logits``; it raises
         ``IdOutOfRangeError`` (naming the feature, table, id, sample and row count) for an id
         outside its table, where a bare server gets the artifact's ``RuntimeError``.
+
+    Raises:
+        UnsafeCheckpointError: a ``.pt2`` holding what ``torch.export.load`` would unpickle
+            without ``weights_only``, ``eval`` or ``exec`` (checked before it is loaded; see
+            ``export.archive``), naming the file and the entry.
+        CheckpointCorruptError: a file that cannot be read as an artifact, naming it.
     """
     path = Path(path)
     if path.suffix == ".pt2":
-        return ServedModel(torch.export.load(path).module())
-    with warnings.catch_warnings():  # TorchScript: deprecated in torch 2.13, as in trace()
-        warnings.filterwarnings("ignore", "`torch.jit.load`", DeprecationWarning)
-        warnings.filterwarnings("ignore", "`torch.jit.load`", FutureWarning)  # torch 2.14
-        return ServedModel(torch.jit.load(str(path)))
+        return ServedModel(load_pt2(path).module())
+    return ServedModel(load_torchscript(path))
 
 
 def main(argv: list[str] | None = None) -> ExportResult:

@@ -68,10 +68,12 @@ def first_bad_id(
     Args:
         values: the KJT's ids (feature-major, as ``KeyedJaggedTensor.values()``).
         lengths: its lengths (``F * B``, feature-major).
-        limits: the row count of each of the ``F`` features' tables.
+        limits: the row count of each of the ``F`` features' tables; a negative count: the
+            feature is not checked (another module's feature in the same KJT).
 
     Returns:
-        ``(feature index, bag index, id)``, or ``(-1, -1, 0)`` when every id is in range.
+        ``(feature index, bag index, id)``, or ``(-1, -1, 0)`` when every checked id is in
+        range.
     """
     bags = lengths.numel()
     bag_of_id = torch.repeat_interleave(
@@ -79,7 +81,8 @@ def first_bad_id(
     )
     per_feature = bags // max(limits.numel(), 1)
     key_of_id = torch.div(bag_of_id, max(per_feature, 1), rounding_mode="floor")
-    bad = torch.nonzero((values < 0) | (values >= limits[key_of_id])).reshape(-1)
+    limit = limits[key_of_id]
+    bad = torch.nonzero((limit >= 0) & ((values < 0) | (values >= limit))).reshape(-1)
     if bad.numel() == 0:
         return -1, -1, 0
     first = int(bad[0])
@@ -118,7 +121,11 @@ class IdRangeCheck(nn.Module):
         keys = features.keys()
         values = features.values()
         lengths = features.lengths()
-        limits = torch.tensor([self.rows_of[k] for k in keys], dtype=torch.int64)
+        # A KJT may carry other modules' features too (TorchRec's EBC/EC ignore them): only
+        # this module's own are checked (limit -1: not checked).
+        limits = torch.tensor(
+            [self.rows_of[k] if k in self.rows_of else -1 for k in keys], dtype=torch.int64
+        )
         if torch.jit.is_scripting():
             self._raise_formatted(keys, values, lengths, limits)
         elif torch.compiler.is_exporting():
@@ -143,14 +150,22 @@ class IdRangeCheck(nn.Module):
             f"{LENGTHS_MARKER}negative, or not adding up to the number of ids (features "
             f"{features})",
         )
+        own = [k in self.rows_of for k in keys]
+        if not any(own):
+            return
         per_key = lengths.view(len(keys), -1).sum(1)
-        if len(set(self.rows_of[k] for k in keys)) == 1:  # one row count: no per-id limits
+        rows_seen = {self.rows_of[k] for k in keys if k in self.rows_of}
+        if all(own) and len(rows_seen) == 1:  # one row count: no per-id limits
             limit: int | torch.Tensor = self.rows_of[keys[0]]
         else:
             limit = torch.repeat_interleave(limits, per_key, output_size=values.shape[0])
-        bad = ((values < 0) | (values >= limit)).float()
-        ok = torch.segment_reduce(bad, "sum", lengths=per_key, unsafe=True) == 0
-        for key, fine in zip(keys, ok.unbind(0), strict=True):
+        outside = (values < 0) | (values >= limit)
+        if not all(own):  # another module's features: not checked here
+            outside = outside & (limit >= 0)
+        ok = torch.segment_reduce(outside.float(), "sum", lengths=per_key, unsafe=True) == 0
+        for key, fine, checked in zip(keys, ok.unbind(0), own, strict=True):
+            if not checked:
+                continue
             table, rows = self.table_of[key], self.rows_of[key]
             message = _range_message(key, table, rows, _outside(self.unit), self.unit)
             assert_async(fine, message)
