@@ -13,12 +13,13 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_torchrec.compat.lightning import is_last_batch, take_over_sigterm_broadcast
 from lightning_torchrec.distributed import run_collective
 from lightning_torchrec.errors import PeerFailureError, StopRequested
+from lightning_torchrec.lightning.trainer_setup import batch_hooks, check_accumulation
+from lightning_torchrec.sharding.sharders import has_fused_tables
 from lightning_torchrec.training.optim import DenseAndFusedOptimizer
 from lightning_torchrec.training.step_runner import StepRunner
 
@@ -51,10 +52,11 @@ class StepVote(Callback):
 def votes_ahead(asked: bool, world_size: int, trainer: Any) -> bool:
     """Whether a fit's steps may vote ahead (``TorchRecStrategy(vote_ahead=...)``).
 
-    The vote ahead checks the next batch as the loader made it; the step checks the batch that
-    reaches ``batch_to_device``. They are the same object unless the LightningModule or the
-    DataModule overrides ``on_before_batch_transfer`` (which may build another batch, e.g. its
-    KeyedJaggedTensor): then the vote stays before each forward.
+    The vote ahead checks the next batch as the loader made it; the step checks the batch it
+    trains on. They are the same unless the LightningModule or the DataModule overrides a batch
+    hook (``on_before_batch_transfer``, ``transfer_batch_to_device``,
+    ``on_after_batch_transfer``; :func:`~lightning_torchrec.lightning.trainer_setup.batch_hooks`):
+    then the vote stays before each forward.
 
     Args:
         asked: the strategy's ``vote_ahead``.
@@ -64,9 +66,7 @@ def votes_ahead(asked: bool, world_size: int, trainer: Any) -> bool:
     Returns:
         True when the vote may run ahead.
     """
-    owners = (trainer.lightning_module, trainer.datamodule)
-    hooked = any(o is not None and is_overridden("on_before_batch_transfer", o) for o in owners)
-    return asked and world_size > 1 and not hooked
+    return asked and world_size > 1 and not batch_hooks(trainer)
 
 
 def take_over_step_votes(trainer: Any, runner: StepRunner) -> Any:
@@ -101,7 +101,11 @@ class StepHooks:
     lightning_module: Any
     optimizers: list[Any]
     collective_timeout: Any
+    allow_fused_gradient_accumulation: bool
+    _plan: Any
     _runner: StepRunner | None
+    #: The Trainer's ``accumulate_grad_batches`` at the last training step (checked on change).
+    _accumulating: int = 1
 
     def _push_fused_lr(self) -> None:
         for opt in self.optimizers:
@@ -130,6 +134,7 @@ class StepHooks:
         self._push_fused_lr()
         assert self._runner is not None
         trainer = self.lightning_module.trainer
+        self._check_accumulation(trainer)
         step, batch_idx = trainer.global_step, int(args[1] if len(args) > 1 else 0)
         last = is_last_batch(trainer) or batch_idx + 1 >= trainer.num_training_batches
         last = last or 0 < trainer.max_steps <= step + 1
@@ -145,6 +150,16 @@ class StepHooks:
         except StopRequested:
             # Every rank stops at the same step, as after Lightning's own SIGTERM broadcast.
             raise SIGTERMException() from None
+
+    def _check_accumulation(self, trainer: Any) -> None:
+        # Set at setup, refused there; a callback may change it mid-fit (at an epoch's start).
+        factor = trainer.accumulate_grad_batches
+        if factor != self._accumulating:
+            assert self._runner is not None
+            fused, allowed = has_fused_tables(self._plan), self.allow_fused_gradient_accumulation
+            source = f"accumulate_grad_batches={factor} (set at epoch {trainer.current_epoch})"
+            check_accumulation(factor, source, fused, allowed, self._runner.pipeline is not None)
+            self._accumulating = factor
 
     def _eval_step(self, step_fn: Any, stage: str, args: Any, kwargs: Any) -> Any:
         assert self._runner is not None

@@ -39,7 +39,7 @@ from lightning_torchrec.lightning.data_hooks import DataHooks
 from lightning_torchrec.lightning.preemption import add_slurm_requeue
 from lightning_torchrec.lightning.step_hooks import StepHooks, take_over_step_votes, votes_ahead
 from lightning_torchrec.lightning.trainer_setup import (
-    check_fused_precision,
+    batch_hooks,
     check_fused_training,
     check_precision,
     check_sync_batchnorm,
@@ -83,8 +83,8 @@ class TorchRecStrategy(
             defaults to row-wise Adagrad, lr 0.01. Give either this or ``sharders``.
         planner: a planner to use instead of the default one.
         data_parallel_wrapper: how DMP wraps the dense part (e.g. to find unused parameters).
-        allow_fused_gradient_accumulation: fused tables update at every backward, so
-            ``accumulate_grad_batches > 1`` does not accumulate them; set True to accept that.
+        allow_fused_gradient_accumulation: fused tables update at every backward, so gradient
+            accumulation (or a ``GradientAccumulationScheduler``) skips them; True accepts that.
         log_plan: print the plan at start and write it to the loggers.
         load_optimizer_states: False resumes from a checkpoint's weights, hyper-parameters and
             training progress with fresh optimizer state (needed when a plan change reshapes the
@@ -117,9 +117,9 @@ class TorchRecStrategy(
         check_finite_checkpoints: refuse to save a checkpoint holding NaN/inf weights or
             optimizer state.
         pipeline: ``"auto"`` (the default): ``"sparse_dist"`` where it is faster (CUDA; CPU
-            ranks whose steps vote ahead), else none (``docs/benchmarks.md``); a model
-            TorchRec cannot pipeline, or a fit with gradient accumulation, then trains without
-            one (an INFO line says why). ``"sparse_dist"``: TorchRec's
+            ranks whose steps vote ahead), else none (``docs/benchmarks.md``); a model TorchRec
+            cannot pipeline, batch hooks (``on_after_batch_transfer``, ...: refused by a named
+            pipeline) or accumulation: none (an INFO line says why). ``"sparse_dist"``: TorchRec's
             ``TrainPipelineSparseDist`` (the next batch's copy and sparse input all-to-all
             overlap this batch's forward and backward; the same results as ``None``) with
             ``training_step`` unchanged; validation, test and predict run through the same
@@ -322,7 +322,6 @@ class TorchRecStrategy(
         ahead = fitting and votes_ahead(self.vote_ahead, self.world_size, trainer)
         pipeline = pipeline_for(self.pipeline_config, self.root_device, trainer, fitting, ahead)
         if fitting and has_fused_tables(sharded.plan):
-            check_fused_precision(self.precision_plugin)
             check_fused_training(trainer, self.allow_fused_gradient_accumulation)
         self._runner = StepRunner(
             sharded.dmp,
@@ -339,6 +338,7 @@ class TorchRecStrategy(
             group=self._host_group,
             batch_checks=self.batch_checks,
             vote_ahead=ahead,
+            transformed=bool(batch_hooks(trainer)),
         )
         if fitting:
             self._runner.start_fit()

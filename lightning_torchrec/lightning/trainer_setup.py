@@ -6,16 +6,123 @@ about) by name, before the first step; the sharding plan is printed and written 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_torchrec.sharding.plan_summary import PlanSummary
 from lightning_torchrec.training.pipelines import PipelineConfig, resolve_pipeline
+
+log = logging.getLogger(__name__)
+
+#: The LightningModule and DataModule hooks by which Lightning changes each batch between the
+#: loader and the step (around ``Strategy.batch_to_device``).
+BATCH_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
+
+
+def batch_hooks(trainer: Any) -> list[str]:
+    """The batch hooks (:data:`BATCH_HOOKS`) the Trainer's LightningModule or DataModule overrides.
+
+    Where any is overridden, the batch a step trains on is not the loader's own: it is checked
+    as the hooks left it, votes stay before each forward, and no train pipeline runs (a
+    pipeline reads the loader's batches itself).
+
+    Args:
+        trainer: the Trainer.
+
+    Returns:
+        ``"Class.hook"`` names (empty when none is overridden).
+    """
+    owners = (getattr(trainer, "lightning_module", None), getattr(trainer, "datamodule", None))
+    return [
+        f"{type(owner).__name__}.{hook}"
+        for owner in owners
+        if owner is not None
+        for hook in BATCH_HOOKS
+        if is_overridden(hook, owner)
+    ]
+
+
+def check_pipeline_batches(pipeline: str, hooks: list[str]) -> None:
+    """Refuses a named train pipeline for a module whose batch hooks change its batches.
+
+    Args:
+        pipeline: the pipeline asked for by name.
+        hooks: the overridden batch hooks (:func:`batch_hooks`).
+
+    Raises:
+        ValueError: naming the hooks, when there are any.
+    """
+    if hooks:
+        raise ValueError(
+            f"pipeline={pipeline!r} cannot run with {', '.join(hooks)}: the pipeline reads the "
+            "DataLoader's batches itself and would train on them without the hook's changes. "
+            "Move the transformation into the dataset or the DataLoader's collate_fn, or use "
+            "TorchRecStrategy(pipeline=None) (pipeline='auto' trains without a pipeline then)."
+        )
+
+
+def accumulation(trainer: Any) -> tuple[int, str]:
+    """The gradient accumulation a fit may run, and what sets it.
+
+    ``Trainer(accumulate_grad_batches=N)``, or a ``GradientAccumulationScheduler`` callback: it
+    changes the Trainer's value at the start of its epochs, after setup (Lightning refuses the
+    two together), so its schedule is read here.
+
+    Args:
+        trainer: the Trainer about to fit.
+
+    Returns:
+        ``(factor, source)``: a factor above 1 it accumulates (else 1), and its description.
+    """
+    for callback in getattr(trainer, "callbacks", ()):
+        if isinstance(callback, GradientAccumulationScheduler):
+            schedule = dict(sorted(callback.scheduling.items()))
+            for epoch, factor in schedule.items():
+                if factor > 1:
+                    return factor, (
+                        f"GradientAccumulationScheduler({schedule}) "
+                        f"(accumulate_grad_batches={factor} from epoch {epoch})"
+                    )
+    factor = trainer.accumulate_grad_batches
+    return factor, f"accumulate_grad_batches={factor}"
+
+
+def check_accumulation(factor: int, source: str, fused: bool, allowed: bool, piped: bool) -> None:
+    """Refuses gradient accumulation that fused tables or a train pipeline cannot honour.
+
+    Args:
+        factor: the accumulation factor.
+        source: what sets it, for the message.
+        fused: whether the model has fused tables.
+        allowed: ``TorchRecStrategy(allow_fused_gradient_accumulation=...)``.
+        piped: whether a train pipeline runs.
+
+    Raises:
+        ValueError: for accumulation with a pipeline, or with fused tables without the opt-in.
+    """
+    if factor <= 1:
+        return
+    if piped:
+        raise ValueError(
+            f"{source} cannot combine with a train pipeline: the pipeline runs the next "
+            "batch's input all-to-all against every update. Use pipeline=None to accumulate, "
+            "or a larger batch."
+        )
+    if fused and not allowed:
+        raise ValueError(
+            f"{source} does not apply to fused embedding tables: they update at every backward "
+            "pass. Use a larger batch, or pass "
+            "TorchRecStrategy(allow_fused_gradient_accumulation=True) to accumulate only the "
+            "dense gradients."
+        )
 
 
 def check_precision(precision_plugin: Any) -> None:
@@ -61,16 +168,11 @@ def check_fused_training(trainer: Any, allow_fused_gradient_accumulation: bool) 
         allow_fused_gradient_accumulation: the user accepts that only dense gradients accumulate.
 
     Raises:
-        ValueError: for a grad scaler, or gradient accumulation without the opt-in.
+        ValueError: for a grad scaler, or gradient accumulation (``accumulate_grad_batches``,
+            or a ``GradientAccumulationScheduler`` that ever accumulates) without the opt-in.
     """
     check_fused_precision(trainer.precision_plugin)
-    if trainer.accumulate_grad_batches > 1 and not allow_fused_gradient_accumulation:
-        raise ValueError(
-            f"accumulate_grad_batches={trainer.accumulate_grad_batches} does not apply to fused "
-            "embedding tables: they update at every backward pass. Use a larger batch, or pass "
-            "TorchRecStrategy(allow_fused_gradient_accumulation=True) to accumulate only the "
-            "dense gradients."
-        )
+    check_accumulation(*accumulation(trainer), True, allow_fused_gradient_accumulation, False)
     if trainer.gradient_clip_val:
         rank_zero_warn(
             "Gradient clipping reaches the dense parameters only: fused embedding tables update "
@@ -87,12 +189,7 @@ def check_pipeline_training(trainer: Any) -> None:
     Raises:
         ValueError: for gradient accumulation (the pipeline runs one update per batch).
     """
-    if trainer.accumulate_grad_batches > 1:
-        raise ValueError(
-            f"accumulate_grad_batches={trainer.accumulate_grad_batches} cannot combine with a "
-            "train pipeline: the pipeline runs the next batch's input all-to-all against every "
-            "update. Use pipeline=None to accumulate, or a larger batch."
-        )
+    check_accumulation(*accumulation(trainer), False, True, True)
 
 
 def pipeline_for(
@@ -100,10 +197,15 @@ def pipeline_for(
 ) -> str | None:
     """The pipeline a run trains with: ``"auto"`` resolved for the device and the Trainer.
 
+    A LightningModule or DataModule overriding a batch hook (:func:`batch_hooks`) trains
+    and evaluates on the batches as its hooks leave them, which a pipeline never sees: under
+    ``"auto"`` it runs without one (an INFO line says why), a named pipeline is refused.
+
     Args:
         config: the strategy's pipeline configuration.
         device: the rank's device.
-        trainer: the Trainer (its gradient accumulation rules a pipeline out under ``"auto"``).
+        trainer: the Trainer (its gradient accumulation and its module's batch hooks rule a
+            pipeline out under ``"auto"``).
         fitting: whether the run is a ``fit``.
         ahead: whether the fit's steps vote ahead (see :func:`resolve_pipeline`).
 
@@ -111,14 +213,25 @@ def pipeline_for(
         ``"sparse_dist"``, ``"semi_sync"`` or None.
 
     Raises:
-        ValueError: when an asked-for pipeline cannot train with the Trainer's settings.
+        ValueError: when an asked-for pipeline cannot run with the Trainer's settings or the
+            module's batch hooks.
     """
+    hooks = batch_hooks(trainer)
+    if config.kind == "auto" and hooks:
+        log.info(
+            "pipeline='auto' trains without a pipeline: %s change(s) each batch after the "
+            "DataLoader, and a pipeline would train on the loader's batches unchanged",
+            ", ".join(hooks),
+        )
+        return None
     if config.kind == "auto":
-        accumulating = fitting and trainer.accumulate_grad_batches > 1
+        accumulating = fitting and accumulation(trainer)[0] > 1
         why = "gradient accumulation needs the unpipelined step" if accumulating else None
         return resolve_pipeline(config, device, why, ahead)
-    if fitting and config.kind is not None:
-        check_pipeline_training(trainer)
+    if config.kind is not None:
+        check_pipeline_batches(config.kind, hooks)
+        if fitting:
+            check_pipeline_training(trainer)
     return config.kind
 
 

@@ -227,3 +227,26 @@ class PipelineFeed:
         lightning_side, reader_side = Split(iter(self.loader)).sides()
         self.on_epoch(self.reader(reader_side))
         return lightning_side
+
+
+def epoch_ending(pipeline: Any, batch_idx: int, last: bool, steps: int = 0) -> tuple[int, bool]:
+    """What the vote for the step ``steps`` after ``batch_idx``'s says of the epoch's end.
+
+    The flag must be the same on every rank, else ``UnevenDataError`` names the flagged ranks
+    as having ``index + 1`` batches. Unpipelined: Lightning's "no batch after this one". A
+    pipeline's ``progress()`` sends the batch ``depth`` places ahead (sparse-dist 1, semi-sync
+    2): a rank whose epoch ends before it (its read-ahead found the end) is flagged, as having
+    that many, before any rank sends it (a batch only some ranks send mismatches collectives).
+
+    Args:
+        pipeline: the stage's pipeline (its ``depth`` and ``exhausted``), or None.
+        batch_idx: the current batch's index in the epoch.
+        last: whether this rank has no batch after the current one.
+        steps: how many steps after the current one the vote is for.
+
+    Returns:
+        ``(index, flag)``: the batch index the message counts to, and this rank's flag.
+    """
+    if pipeline is None:
+        return batch_idx, last
+    return batch_idx + steps + pipeline.depth - 1, last or pipeline.exhausted

@@ -4,7 +4,8 @@
 that knows how a step runs:
 
 1. the host copy of the step's batch is held (:meth:`StepRunner.hold`) before it goes to the
-   device, so the checks read host memory (no GPU-to-host synchronisation);
+   device, so the checks read host memory (no GPU-to-host synchronisation); where the front end
+   changes batches after the loader (``transformed``), the step's own batch is checked;
 2. one collective per step (:class:`~lightning_torchrec.training.step_guard.StepGuard`) decides
    the batch verdict (the batches a pipeline sends early, or a DataLoader worker's verdict),
    the previous step's loss and whether every rank is at its last batch;
@@ -31,7 +32,7 @@ from lightning_torchrec.distributed import run_collective
 from lightning_torchrec.errors import StopRequested
 from lightning_torchrec.sharding.sharders import check_semi_sync_plan
 from lightning_torchrec.sharding.tables import FeatureSpec
-from lightning_torchrec.training.pipeline_feed import Peek, PipelineFeed
+from lightning_torchrec.training.pipeline_feed import Peek, PipelineFeed, epoch_ending
 from lightning_torchrec.training.pipelines import SemiSyncPipeline, SparseDistPipeline
 from lightning_torchrec.training.step_guard import StepGuard
 from lightning_torchrec.training.uneven_data import check_counts
@@ -73,6 +74,10 @@ class StepRunner:
             on every rank after every training step), so the vote runs while the backward does
             instead of stopping the step. The batches the vote covers are read one step early:
             the next step's batch, or with a pipeline the ones its next ``progress()`` sends.
+        transformed: the front end changes each batch between the loader and the step (e.g. a
+            LightningModule's batch hooks): each step checks the batch it is given (on its
+            device), not a host copy (:meth:`hold` keeps none) nor a DataLoader worker's
+            verdict; no vote ahead, and no pipeline (it would train on the loader's batches).
     """
 
     def __init__(
@@ -92,9 +97,12 @@ class StepRunner:
         group: Any = None,
         batch_checks: str = "auto",
         vote_ahead: bool = False,
+        transformed: bool = False,
     ) -> None:
         if batch_checks not in BATCH_CHECKS:
             raise ValueError(f"batch_checks must be one of {BATCH_CHECKS}, got {batch_checks!r}")
+        if transformed and pipeline is not None:
+            raise ValueError(f"pipeline={pipeline!r} trains on the loader's batches: use None")
         deferred = batch_checks == "next_step" or (batch_checks == "auto" and device.type == "cuda")
         self.model, self.device = model, device
         self.pipeline, self.start_batch, self.asked = pipeline, start_batch, asked
@@ -107,14 +115,15 @@ class StepRunner:
             specs=specs,
             dense_width=dense_width,
             group=group,
-            token=uuid.uuid4().hex,
+            token=None if transformed else uuid.uuid4().hex,  # no worker saw the step's batch
             deferred=deferred,
         )
         self.training: SparseDistPipeline | None = None
         self.evaluation: SparseDistPipeline | None = None
         self._host_batch: Any = None
         #: Whether training steps vote ahead (see the ``vote_ahead`` argument).
-        self.vote_ahead = vote_ahead and (pipeline is not None or not deferred)
+        self.vote_ahead = vote_ahead and not transformed and (pipeline is not None or not deferred)
+        self.transformed = transformed
         self._peek: Peek | None = None
         self._covered: int | None = None  # the batch whose checks a decided vote covered
         self._stepped = False  # whether a training step ran since the last epoch's iterator
@@ -156,7 +165,7 @@ class StepRunner:
             The loader to iterate (wrapped when the stage runs a pipeline).
         """
         fork_safely(loader)
-        if self.guard.validate_batches is not False:
+        if self.guard.validate_batches is not False and self.guard.token is not None:
             guard = self.guard
             check_in_workers(loader, guard.specs, guard.dense_width, str(guard.token))
         if training and self.vote_ahead and self.pipeline is None:
@@ -195,9 +204,9 @@ class StepRunner:
 
         Returns:
             True when the stage's pipeline copies batches to the device itself (the caller
-            then passes ``batch`` on unmoved).
+            then passes ``batch`` on unmoved). None is held for a ``transformed`` runner.
         """
-        self._host_batch = batch
+        self._host_batch = None if self.transformed else batch
         return self.stage(training) is not None
 
     def _checked(self, batch: Any) -> Any:
@@ -242,7 +251,7 @@ class StepRunner:
         stopping = self.collective(guard.decide_ahead) or []  # normally decided already
         if not covered:  # no vote ahead decided this batch: vote now
             ahead = pipeline.ahead(batch_idx) if pipeline is not None else None
-            at, end = _ending(pipeline, batch_idx, last)
+            at, end = epoch_ending(pipeline, batch_idx, last)
             stopping = self.collective(
                 guard.before_training_step, host, step, at, end, ahead, batch, stop
             )
@@ -267,7 +276,7 @@ class StepRunner:
         # The batches the next step's progress() sends early, read and checked now.
         ahead = [] if last else pipeline.ahead(batch_idx + 1)
         error = self.guard.verdict_of(None, step + 1, ahead) if ahead else None
-        at, ending = _ending(pipeline, batch_idx, last, 1)
+        at, ending = epoch_ending(pipeline, batch_idx, last, 1)
         self.collective(self.guard.vote_ahead, error, at, ending, stop)
         self._covered = None if last else batch_idx + 1
 
@@ -319,7 +328,7 @@ class StepRunner:
         host = self._checked(batch)
         pipeline = self.evaluation
         ahead = pipeline.ahead(batch_idx) if pipeline is not None else None
-        at, ending = _ending(pipeline, batch_idx, last)
+        at, ending = epoch_ending(pipeline, batch_idx, last)
         self.collective(self.guard.before_eval_step, host, stage, at, ending, ahead)
         if pipeline is None:
             return self.collective(run, batch)
@@ -381,18 +390,3 @@ class StepRunner:
             if pipeline is not None:
                 pipeline.release()
         self._host_batch = None
-
-
-def _ending(pipeline: Any, batch_idx: int, last: bool, steps: int = 0) -> tuple[int, bool]:
-    """What the vote for the step ``steps`` after ``batch_idx``'s says of the epoch's end.
-
-    The flag must be the same on every rank, else ``UnevenDataError`` names the flagged ranks
-    as having ``index + 1`` batches. Unpipelined: Lightning's "no batch after this one". A
-    pipeline's ``progress()`` sends the batch ``depth`` places ahead (sparse-dist 1, semi-sync
-    2): a rank whose epoch ends before it (its read-ahead found the end) is flagged, as having
-    that many, before any rank sends it (a batch only some ranks send mismatches collectives).
-    Returns ``(index, flag)``: the batch index the message counts to, and this rank's flag.
-    """
-    if pipeline is None:
-        return batch_idx, last
-    return batch_idx + steps + pipeline.depth - 1, last or pipeline.exhausted
