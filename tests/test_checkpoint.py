@@ -13,7 +13,13 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_torchrec import DLRMClickModule, SyntheticClickData, TorchRecStrategy
+from lightning_torchrec import (
+    DLRMClickModule,
+    SyntheticClickData,
+    TorchRecStrategy,
+    combine_optimizers,
+    dense_parameters,
+)
 from lightning_torchrec.checkpoint import META_FILE, is_sharded_checkpoint
 from lightning_torchrec.checkpoint.consolidate import (
     consolidate,
@@ -317,3 +323,51 @@ def test_hyper_parameters_of_a_stranger_are_checked_before_memory_is_taken(
     BuildRecorder.built = []
     loaded = BuildRecorder.load_from_checkpoint(ckpt)  # the checkpoint's own: built for real
     assert BuildRecorder.built == ["meta", "cpu"] and isinstance(loaded, BuildRecorder)
+
+
+class TwoOptimizers(DLRMClickModule):
+    """Manual optimization: the model's optimizer, and plain SGD with momentum on a side head."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False
+        self.side = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        main, side = self.optimizers()
+        loss, _ = self(batch)
+        loss = loss + (self.side(batch.dense_features[:, :2]) ** 2).mean()
+        main.zero_grad()
+        side.zero_grad()
+        self.manual_backward(loss)
+        main.step()
+        side.step()
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        side = {id(p) for p in self.side.parameters()}
+        dense = [p for p in dense_parameters(self) if id(p) not in side]
+        main = combine_optimizers(torch.optim.Adam(dense, lr=1e-2), self)
+        return [main, torch.optim.SGD(self.side.parameters(), lr=0.1, momentum=0.9)]
+
+
+def test_a_second_optimizer_of_manual_optimization_is_checkpointed_and_resumed(
+    tmp_path: Path,
+) -> None:
+    def fit(steps: int, ckpt: Path | None = None) -> tuple[L.Trainer, TwoOptimizers]:
+        L.seed_everything(5)
+        model = tiny_dlrm(ROWS, embedding_dim=4, cls=TwoOptimizers)
+        t = trainer(tmp_path, max_steps=steps)
+        t.fit(model, datamodule=data(), ckpt_path=ckpt)
+        return t, model
+
+    part, _ = fit(4)  # manual optimization: each optimizer's step counts
+    part.save_checkpoint(tmp_path / "part.ckpt")
+    resumed, model = fit(8, tmp_path / "part.ckpt")
+    whole, reference = fit(8)
+    assert resumed.global_step == whole.global_step == 8
+    assert torch.equal(model.side.weight, reference.side.weight)
+    momentum = [plain_state_of(t.optimizers[1]) for t in (resumed, whole)]
+    assert momentum[0].keys() == momentum[1].keys() and momentum[0]
+    for key, value in momentum[1].items():
+        assert torch.equal(momentum[0][key], value), key

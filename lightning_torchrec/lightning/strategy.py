@@ -49,7 +49,7 @@ from lightning_torchrec.lightning.trainer_setup import (
 from lightning_torchrec.sharding.plan_summary import PlanSummary
 from lightning_torchrec.sharding.planning import ShardingConfig, shard_model
 from lightning_torchrec.sharding.sharders import has_fused_tables
-from lightning_torchrec.training.optim import combine_with_schedulers
+from lightning_torchrec.training.optim import combine_with_schedulers, keyed_further
 from lightning_torchrec.training.pipelines import PipelineConfig
 from lightning_torchrec.training.step_guard import StepGuard
 from lightning_torchrec.training.step_runner import BATCH_CHECKS, StepRunner
@@ -360,8 +360,8 @@ class TorchRecStrategy(
         if not self.optimizers:
             return
         schedulers = [cfg.scheduler for cfg in self.lr_scheduler_configs]
-        combined = combine_with_schedulers(self.optimizers[0], module, schedulers)
-        self.optimizers = [combined, *self.optimizers[1:]]
+        first = combine_with_schedulers(self.optimizers[0], module, schedulers)
+        self.optimizers = [first, *keyed_further(self.optimizers[1:], module)]
 
     # ------------------------------------------------------------------ teardown
     @override

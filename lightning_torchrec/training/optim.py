@@ -139,7 +139,9 @@ class DenseAndFusedOptimizer(CombinedOptimizer):
             self.fused.zero_grad()
 
 
-def combine_optimizers(dense_optimizer: torch.optim.Optimizer, module: nn.Module) -> KeyedOptimizer:
+def combine_optimizers(
+    dense_optimizer: torch.optim.Optimizer, module: nn.Module, with_fused: bool = True
+) -> KeyedOptimizer:
     """Combines a dense torch optimizer with the fused embedding optimizers of ``module``.
 
     Build LR schedulers on the returned optimizer to schedule the embedding learning rate too.
@@ -147,6 +149,8 @@ def combine_optimizers(dense_optimizer: torch.optim.Optimizer, module: nn.Module
     Args:
         dense_optimizer: an optimizer over (a subset of) ``dense_parameters(module)``.
         module: the (sharded) module; its parameters name the optimizer state in checkpoints.
+        with_fused: combine the module's fused optimizers (False: key the dense one only, for
+            an optimizer other than the one that drives the tables).
 
     Returns:
         A ``DenseAndFusedOptimizer`` (the dense optimizer alone is wrapped too, so checkpoints
@@ -174,7 +178,31 @@ def combine_optimizers(dense_optimizer: torch.optim.Optimizer, module: nn.Module
             "`lightning_torchrec.dense_parameters(self)` instead of `self.parameters()`."
         )
     keyed = KeyedOptimizerWrapper(params, lambda _: dense_optimizer)
-    return DenseAndFusedOptimizer(keyed, fused_optimizers(module), dense_optimizer)
+    fused = fused_optimizers(module) if with_fused else []
+    return DenseAndFusedOptimizer(keyed, fused, dense_optimizer)
+
+
+def keyed_further(optimizers: list[Any], module: nn.Module) -> list[Any]:
+    """The optimizers after the first of ``configure_optimizers``, keyed by parameter name.
+
+    The first one drives the fused tables too (:func:`combine_with_schedulers`); the others
+    (manual optimization) are keyed so that checkpoints hold them, and keep their own
+    schedulers. Keyed optimizers are kept as they are.
+
+    Args:
+        optimizers: the optimizers after the first.
+        module: the (sharded) LightningModule.
+
+    Returns:
+        Keyed optimizers, in the same order.
+
+    Raises:
+        ValueError: if one holds fused embedding-table parameters, naming them.
+    """
+    return [
+        o if isinstance(o, KeyedOptimizer) else combine_optimizers(o, module, with_fused=False)
+        for o in optimizers
+    ]
 
 
 def combine_with_schedulers(
