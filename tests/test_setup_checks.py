@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.plugins.precision import (
     DoublePrecision,
     HalfPrecision,
@@ -38,7 +39,13 @@ from lightning_torchrec.sharding.setup_checks import (
     warn_materialized,
 )
 from lightning_torchrec.sharding.sharders import default_sharders
-from tests.scripts.factory import sharding_constraints, table_wise, tiny_dlrm
+from tests.scripts.factory import (
+    cpu_trainer,
+    sharding_constraints,
+    table_wise,
+    tiny_data,
+    tiny_dlrm,
+)
 
 EBC = "model_and_loss.model.sparse_arch.embedding_bag_collection"
 
@@ -269,3 +276,10 @@ def test_an_explicit_data_parallel_embedding_collection_plan_is_refused_on_cpu()
     with pytest.raises(ValueError, match=r"'seq' of module 'ec' \(an EmbeddingCollection table\)"):
         check_plan(plan, 1, "cpu", model)
     check_plan(plan, 1, "cuda", model)  # the refusal is about CPU
+
+
+def test_stochastic_weight_averaging_is_refused_naming_it(tmp_path) -> None:
+    swa = StochasticWeightAveraging(swa_lrs=0.01)
+    trainer = cpu_trainer(max_steps=2, callbacks=[swa], default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match="StochasticWeightAveraging keeps an averaged deep copy"):
+        trainer.fit(tiny_dlrm(), datamodule=tiny_data(200, 2, batch_size=16, train_batches=4))

@@ -40,7 +40,7 @@ from lightning_torchrec.lightning.preemption import add_slurm_requeue
 from lightning_torchrec.lightning.step_hooks import StepHooks, take_over_step_votes, votes_ahead
 from lightning_torchrec.lightning.trainer_setup import (
     batch_hooks,
-    check_fused_training,
+    check_fit,
     check_precision,
     check_sync_batchnorm,
     log_plan,
@@ -48,7 +48,6 @@ from lightning_torchrec.lightning.trainer_setup import (
 )
 from lightning_torchrec.sharding.plan_summary import PlanSummary
 from lightning_torchrec.sharding.planning import ShardingConfig, shard_model
-from lightning_torchrec.sharding.sharders import has_fused_tables
 from lightning_torchrec.training.optim import combine_with_schedulers, keyed_further
 from lightning_torchrec.training.pipelines import PipelineConfig
 from lightning_torchrec.training.step_guard import StepGuard
@@ -321,8 +320,8 @@ class TorchRecStrategy(
             log_plan(sharded.summary, trainer.loggers)
         ahead = fitting and votes_ahead(self.vote_ahead, self.world_size, trainer)
         pipeline = pipeline_for(self.pipeline_config, self.root_device, trainer, fitting, ahead)
-        if fitting and has_fused_tables(sharded.plan):
-            check_fused_training(trainer, self.allow_fused_gradient_accumulation)
+        if fitting:
+            check_fit(trainer, sharded.plan, self.allow_fused_gradient_accumulation)
         self._runner = StepRunner(
             sharded.dmp,
             self.root_device,

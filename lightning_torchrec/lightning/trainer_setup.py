@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.callbacks import GradientAccumulationScheduler, StochasticWeightAveraging
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_torchrec.sharding.plan_summary import PlanSummary
+from lightning_torchrec.sharding.sharders import has_fused_tables
 from lightning_torchrec.training.pipelines import PipelineConfig, resolve_pipeline
 
 log = logging.getLogger(__name__)
@@ -158,6 +159,29 @@ def check_fused_precision(precision_plugin: Any) -> None:
             "inside the backward pass with the *scaled* gradients, so they would diverge. Use "
             "precision='bf16-mixed', or shard tables with a non-fused compute kernel."
         )
+
+
+def check_fit(trainer: Any, plan: Any, allow_fused_gradient_accumulation: bool) -> None:
+    """Refuses fit settings a sharded model cannot honour (see :func:`check_fused_training`).
+
+    Args:
+        trainer: the Trainer about to fit.
+        plan: the sharding plan.
+        allow_fused_gradient_accumulation: the user accepts that only dense gradients accumulate.
+
+    Raises:
+        ValueError: for ``StochasticWeightAveraging``, and see :func:`check_fused_training`.
+    """
+    swa = [c for c in trainer.callbacks if isinstance(c, StochasticWeightAveraging)]
+    if swa:
+        raise ValueError(
+            f"{type(swa[0]).__name__} keeps an averaged deep copy of the whole LightningModule "
+            "on one device; sharded embedding tables exist only as shards (on the meta device "
+            "before sharding), so it cannot copy them. Lightning refuses it for its sharded "
+            "strategies (FSDP, DeepSpeed) too: remove the callback."
+        )
+    if has_fused_tables(plan):
+        check_fused_training(trainer, allow_fused_gradient_accumulation)
 
 
 def check_fused_training(trainer: Any, allow_fused_gradient_accumulation: bool) -> None:
