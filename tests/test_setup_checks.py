@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import StochasticWeightAveraging
+from lightning.pytorch.callbacks import BaseFinetuning, StochasticWeightAveraging
 from lightning.pytorch.plugins.precision import (
     DoublePrecision,
     HalfPrecision,
@@ -282,4 +283,18 @@ def test_stochastic_weight_averaging_is_refused_naming_it(tmp_path) -> None:
     swa = StochasticWeightAveraging(swa_lrs=0.01)
     trainer = cpu_trainer(max_steps=2, callbacks=[swa], default_root_dir=tmp_path)
     with pytest.raises(ValueError, match="StochasticWeightAveraging keeps an averaged deep copy"):
+        trainer.fit(tiny_dlrm(), datamodule=tiny_data(200, 2, batch_size=16, train_batches=4))
+
+
+class FreezeDense(BaseFinetuning):
+    def freeze_before_training(self, pl_module: Any) -> None:
+        self.freeze(pl_module.model_and_loss.model.dense_arch)
+
+    def finetune_function(self, pl_module: Any, epoch: int, optimizer: Any) -> None:
+        pass
+
+
+def test_base_finetuning_with_fused_tables_is_refused_naming_it(tmp_path) -> None:
+    trainer = cpu_trainer(max_steps=2, callbacks=[FreezeDense()], default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match="FreezeDense \\(a BaseFinetuning\\) records the"):
         trainer.fit(tiny_dlrm(), datamodule=tiny_data(200, 2, batch_size=16, train_batches=4))

@@ -12,7 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch.callbacks import GradientAccumulationScheduler, StochasticWeightAveraging
+from lightning.pytorch.callbacks import (
+    BaseFinetuning,
+    GradientAccumulationScheduler,
+    StochasticWeightAveraging,
+)
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -172,7 +176,7 @@ def check_fit(trainer: Any, plan: Any, allow_fused_gradient_accumulation: bool) 
     Raises:
         ValueError: for ``StochasticWeightAveraging``, and see :func:`check_fused_training`.
     """
-    swa = [c for c in trainer.callbacks if isinstance(c, StochasticWeightAveraging)]
+    swa = [c for c in getattr(trainer, "callbacks", ()) if isinstance(c, StochasticWeightAveraging)]
     if swa:
         raise ValueError(
             f"{type(swa[0]).__name__} keeps an averaged deep copy of the whole LightningModule "
@@ -192,10 +196,21 @@ def check_fused_training(trainer: Any, allow_fused_gradient_accumulation: bool) 
         allow_fused_gradient_accumulation: the user accepts that only dense gradients accumulate.
 
     Raises:
-        ValueError: for a grad scaler, or gradient accumulation (``accumulate_grad_batches``,
-            or a ``GradientAccumulationScheduler`` that ever accumulates) without the opt-in.
+        ValueError: for a grad scaler, a ``BaseFinetuning`` callback, or gradient accumulation
+            (``accumulate_grad_batches``, or a ``GradientAccumulationScheduler`` that ever
+            accumulates) without the opt-in.
     """
     check_fused_precision(trainer.precision_plugin)
+    finetuning = [c for c in getattr(trainer, "callbacks", ()) if isinstance(c, BaseFinetuning)]
+    if finetuning:
+        raise ValueError(
+            f"{type(finetuning[0]).__name__} (a BaseFinetuning) records the optimizer's param "
+            "groups by the module's parameter names, but the fused embedding tables' groups hold "
+            "kernel weights that are no named parameters, and the fused optimizer takes no new "
+            "groups. To freeze dense layers for a while, set their requires_grad in a callback "
+            "of your own and build the dense optimizer on all of dense_parameters(self): torch "
+            "optimizers skip parameters without gradients."
+        )
     check_accumulation(*accumulation(trainer), True, allow_fused_gradient_accumulation, False)
     if trainer.gradient_clip_val:
         rank_zero_warn(
