@@ -214,3 +214,19 @@ def test_uint64_ids_are_reduced_unsigned_or_refused(tmp_path: Path) -> None:
     pq.write_table(fits.append_column("label", pa.array([0, 1, 0, 1])), tmp_path / "p.parquet")
     ds = ParquetClickDataset(str(tmp_path), ["d0"], ["a"], "label", batch_size=4)
     assert next(iter(ds)).sparse_features.values().tolist() == [2**63 - 1, 0, 1, 2]
+
+
+def test_validation_and_test_files_are_checked_when_the_module_is_built(tmp_path: Path) -> None:
+    good = pa.table({"d0": np.zeros(4), "a": pa.array([1, 2, 3, 4]), "label": [0, 1, 0, 1]})
+    pq.write_table(good, tmp_path / "train.parquet")
+    pq.write_table(good.drop_columns(["a"]), tmp_path / "val.parquet")
+    train = str(tmp_path / "train.parquet")
+    with pytest.raises(ValueError, match=r"val.parquet.*'a'"):
+        ParquetClickData(
+            train, ["d0"], ["a"], "label", val_paths=str(tmp_path / "val.parquet"), batch_size=2
+        )
+    with pytest.raises((ValueError, FileNotFoundError), match="nothing"):
+        ParquetClickData(
+            train, ["d0"], ["a"], "label", test_paths=str(tmp_path / "nothing*"), batch_size=2
+        )
+    ParquetClickData(train, ["d0"], ["a"], "label", val_paths=train, test_paths=train, batch_size=2)

@@ -274,9 +274,7 @@ class ParquetClickDataset(ResumableIterableDataset):
         # np.stack copies the columns into one writable [batch, dense] array.
         dense = np.stack([_number(rows.column(c)).to_numpy() for c in self.dense_columns], 1)
         ids = [_bag_values(rows.column(c)) for c in self.sparse_columns]
-        weights = None
-        if self.weight_column is not None:
-            weights = _number_tensor(rows.column(self.weight_column))
+        weights = _number_tensor(rows.column(self.weight_column)) if self.weight_column else None
         return Batch(
             dense_features=torch.from_numpy(dense),
             sparse_features=KeyedJaggedTensor.from_lengths_sync(
@@ -365,8 +363,9 @@ class ParquetClickData(ResumableDataModule):
         self.feature_names = list(feature_names or sparse_columns)
         self.num_embeddings_per_feature = num_embeddings_per_feature
         self.num_dense_features = len(self.dense_columns)
-        # Checks every training file's columns now, not at the first batch.
-        self.dataset("train")
+        # Checks the columns of every stage's files now, not at the stage's first batch.
+        for stage in [stage for stage, given in self.paths.items() if given is not None]:
+            self.dataset(stage)
 
     def dataset(self, stage: str, num_workers: int = 0) -> ParquetClickDataset:
         """The dataset of one stage on this rank.
