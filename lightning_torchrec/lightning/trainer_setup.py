@@ -165,6 +165,10 @@ def check_fused_precision(precision_plugin: Any) -> None:
         )
 
 
+def _callback(trainer: Any, kind: type) -> Any:
+    return next((c for c in getattr(trainer, "callbacks", ()) if isinstance(c, kind)), None)
+
+
 def check_fit(trainer: Any, plan: Any, allow_fused_gradient_accumulation: bool) -> None:
     """Refuses fit settings a sharded model cannot honour (see :func:`check_fused_training`).
 
@@ -176,10 +180,10 @@ def check_fit(trainer: Any, plan: Any, allow_fused_gradient_accumulation: bool) 
     Raises:
         ValueError: for ``StochasticWeightAveraging``, and see :func:`check_fused_training`.
     """
-    swa = [c for c in getattr(trainer, "callbacks", ()) if isinstance(c, StochasticWeightAveraging)]
-    if swa:
+    swa = _callback(trainer, StochasticWeightAveraging)
+    if swa is not None:
         raise ValueError(
-            f"{type(swa[0]).__name__} keeps an averaged deep copy of the whole LightningModule "
+            f"{type(swa).__name__} keeps an averaged deep copy of the whole LightningModule "
             "on one device; sharded embedding tables exist only as shards (on the meta device "
             "before sharding), so it cannot copy them. Lightning refuses it for its sharded "
             "strategies (FSDP, DeepSpeed) too: remove the callback."
@@ -201,10 +205,10 @@ def check_fused_training(trainer: Any, allow_fused_gradient_accumulation: bool) 
             accumulates) without the opt-in.
     """
     check_fused_precision(trainer.precision_plugin)
-    finetuning = [c for c in getattr(trainer, "callbacks", ()) if isinstance(c, BaseFinetuning)]
-    if finetuning:
+    finetuning = _callback(trainer, BaseFinetuning)
+    if finetuning is not None:
         raise ValueError(
-            f"{type(finetuning[0]).__name__} (a BaseFinetuning) records the optimizer's param "
+            f"{type(finetuning).__name__} (a BaseFinetuning) records the optimizer's param "
             "groups by the module's parameter names, but the fused embedding tables' groups hold "
             "kernel weights that are no named parameters, and the fused optimizer takes no new "
             "groups. To freeze dense layers for a while, set their requires_grad in a callback "
