@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from lightning_torchrec.checkpoint.hyper_params import (
     scheduler_state,
 )
 from lightning_torchrec.errors import CheckpointCorruptError
+from lightning_torchrec.lightning.checkpoint_hooks import match_scheduler_states
 
 
 def test_dense_groups_line_up_and_fused_groups_take_a_saved_fused_groups_values() -> None:
@@ -73,3 +76,18 @@ def test_scheduler_lists_follow_the_groups_and_nested_schedulers_too() -> None:
     assert nested["_schedulers"][0]["base_lrs"] == [0.5, 0.5] and nested["_schedulers"][1] == 4
     lined_up = {"base_lrs": [0.5, 0.6], "_last_lr": [0.1, 0.2]}
     assert scheduler_state(lined_up, Groups([0.1, 0.2])) == lined_up
+
+
+def test_a_scheduler_on_a_plain_optimizer_is_matched_as_all_dense() -> None:
+    # A scheduler built on the dense torch optimizer alone (warned about, still supported).
+    params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(2)]
+    dense = torch.optim.SGD([{"params": [p]} for p in params], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(dense, lambda s: 1 / (1 + s))
+    trainer = SimpleNamespace(lr_scheduler_configs=[SimpleNamespace(scheduler=scheduler)])
+    saved = scheduler.state_dict()
+    meta = {"lr_schedulers": [saved]}
+    match_scheduler_states(meta, trainer)
+    assert meta["lr_schedulers"] == [saved]
+    meta = {"lr_schedulers": [{**saved, "base_lrs": [0.3]}]}  # saved with one group
+    match_scheduler_states(meta, trainer)
+    assert meta["lr_schedulers"][0]["base_lrs"] == [0.3, 0.3]

@@ -76,8 +76,8 @@ def match_scheduler_states(meta: dict[str, Any], trainer: Any) -> None:
     for state, config in zip(states, configs, strict=True):
         scheduler = config.scheduler
         optimizer = getattr(scheduler, "optimizer", None)
-        if isinstance(state, dict) and optimizer is not None:
-            state = scheduler_state(state, keyed_optimizer(optimizer), scheduler.state_dict())
+        if isinstance(state, dict) and optimizer is not None:  # the combined one, or another
+            state = scheduler_state(state, optimizer, scheduler.state_dict())
         matched.append(state)
     meta["lr_schedulers"] = matched
 
