@@ -10,8 +10,16 @@ import pytest
 import torch
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from lightning_torchrec import EmbeddingNormCallback, TorchRecStrategy, WeightNormCallback
+from lightning_torchrec import (
+    EmbeddingNormCallback,
+    ModelAndLoss,
+    TorchRecModule,
+    TorchRecStrategy,
+    WeightNormCallback,
+)
 from lightning_torchrec.training.norms import l1_norm
 from tests.scripts.factory import cpu_trainer, table_wise, tiny_data, tiny_dlrm
 
@@ -208,3 +216,55 @@ def test_nonfinite_norms_are_reported_as_such() -> None:
     assert math.isnan(weights["model/l2_norm/model_and_loss.model.over_arch.model.1.bias"])
     assert math.isinf(tables["embedding_norms/t_cat_0-norm-mean"])
     assert math.isfinite(tables["embedding_norms/t_cat_1-norm-mean"])
+
+
+def test_the_last_step_is_logged_when_max_steps_or_max_epochs_end_the_fit() -> None:
+    for stop in ({"max_steps": 7}, {"max_steps": -1, "max_epochs": 1, "limit_train_batches": 7}):
+        logger = RecordingLogger()
+        callbacks = [WeightNormCallback(every_n_steps=5), EmbeddingNormCallback(every_n_steps=5)]
+        fit(callbacks, [logger], **stop)
+        assert logger.steps_with("model/") == [5, 7], stop
+        assert logger.steps_with("embedding_norms/") == [5, 7], stop
+
+
+class TwoCollections(torch.nn.Module):
+    """Two EBCs whose tables share the name ``t0`` (unique within each collection)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.user, self.item = (
+            EmbeddingBagCollection(
+                tables=[EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=200,
+                                           feature_names=[feature])],
+                device=torch.device("meta"),
+            )
+            for feature in ("cat_0", "cat_1")
+        )  # fmt: skip
+        self.over = torch.nn.Linear(13 + 8, 1)
+
+    def forward(self, dense: torch.Tensor, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        u = self.user(KeyedJaggedTensor.from_jt_dict({"cat_0": kjt["cat_0"]}))
+        i = self.item(KeyedJaggedTensor.from_jt_dict({"cat_1": kjt["cat_1"]}))
+        return self.over(torch.cat([dense, u["cat_0"], i["cat_1"]], 1)).squeeze(1)
+
+
+def test_tables_of_one_name_in_two_collections_are_both_logged() -> None:
+    logger = RecordingLogger()
+    module = TorchRecModule(ModelAndLoss(TwoCollections()), train_metrics_every_n_steps=0)
+    trainer = cpu_trainer(
+        TorchRecStrategy(log_plan=False),
+        max_steps=2,
+        logger=[logger],
+        limit_val_batches=0,
+        callbacks=[EmbeddingNormCallback(every_n_steps=2)],
+    )
+    trainer.fit(module, datamodule=tiny_data())
+    logged = logger.last("embedding_norms/")
+    keys = {
+        "model_and_loss.model.user.embedding_bags.t0",
+        "model_and_loss.model.item.embedding_bags.t0",
+    }
+    assert set(logged) == {f"embedding_norms/{k}-norm-{s}" for k in keys for s in ("0", "mean")}
+    assert len(set(logged.values())) == 2  # two tables, two values
+    with pytest.raises(KeyError, match="several collections have"):
+        EmbeddingNormCallback(tables=["t0"])._prepare(trainer, module)

@@ -26,6 +26,7 @@ from torchrec.modules.mc_modules import (
 )
 from torchrec.sparse.jagged_tensor import JaggedTensor
 
+from lightning_torchrec import EmbeddingNormCallback, WeightNormCallback
 from lightning_torchrec.checkpoint.mc_layout import (
     check_managed_collision_layout,
     row_ranges,
@@ -39,8 +40,17 @@ from lightning_torchrec.sharding.sharders import (
     DeviceAwareMCECSharder,
     default_sharders,
 )
-from lightning_torchrec.sharding.tables import feature_specs, module_table_configs
+from lightning_torchrec.sharding.tables import (
+    embedding_tables,
+    feature_specs,
+    module_table_configs,
+    table_of_key,
+)
 from lightning_torchrec.training.mc_stats import ManagedCollisionCounts
+from tests.scripts.factory import Capture, cpu_trainer
+from tests.scripts.mc_model import data as mc_data
+from tests.scripts.mc_model import module as mc_module
+from tests.scripts.mc_model import strategy as mc_strategy
 
 RAW_BOUND = 2**40
 
@@ -182,3 +192,20 @@ def test_layout_check_leaves_other_entries_and_other_sizes_to_the_shape_check() 
         check_managed_collision_layout("ck", {**other, **smaller}, meta)
     only = {k: v for k, v in smaller.items() if k in refused}
     check_managed_collision_layout("ck", {**other, **only}, meta)  # another size: not this check
+
+
+def test_norm_callbacks_see_the_tables_of_a_sharded_managed_collision_model() -> None:
+    # The sharded collection keeps its remapping state as sharded 1-D integer tensors: they are
+    # no tables, for embedding_tables nor for the norm callbacks.
+    logger = Capture()
+    callbacks = [WeightNormCallback(every_n_steps=2), EmbeddingNormCallback(every_n_steps=2)]
+    trainer = cpu_trainer(
+        mc_strategy(), max_steps=2, limit_val_batches=0, callbacks=callbacks, logger=logger
+    )
+    model = mc_module()
+    trainer.fit(model, datamodule=mc_data())
+    tables = embedding_tables(model)
+    assert sorted(table_of_key(k) for k in tables) == ["t_cat_0", "t_cat_1"], list(tables)
+    logged = {k for metrics in logger.metrics.values() for k in metrics}
+    assert {f"embedding_norms/t_cat_{i}-norm-mean" for i in range(2)} <= set(logged)
+    assert sum(k.startswith("model/l2_norm/") and "t_cat_" in k for k in logged) == 2

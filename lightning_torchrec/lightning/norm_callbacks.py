@@ -15,6 +15,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_torchrec.compat.lightning import is_last_batch
 from lightning_torchrec.distributed import is_distributed
 from lightning_torchrec.sharding.tables import embedding_tables, table_of_key
 from lightning_torchrec.training.ebc_norms import log_ebc_norms
@@ -41,7 +42,31 @@ def log_due(trainer: L.Trainer, every_n_steps: int | None, last_logged_step: int
     step = trainer.global_step
     if step == 0 or step == last_logged_step:
         return False
-    return step % (every_n_steps or trainer.log_every_n_steps) == 0 or trainer.should_stop
+    max_epochs = trainer.max_epochs
+    ending = (0 < trainer.max_steps <= step) or (  # Lightning sets no should_stop for these
+        max_epochs is not None
+        and 0 < max_epochs <= trainer.current_epoch + 1
+        and is_last_batch(trainer)
+    )
+    every = every_n_steps or trainer.log_every_n_steps
+    return step % every == 0 or trainer.should_stop or ending
+
+
+def table_labels(keys: Sequence[str]) -> dict[str, str]:
+    """The name each table's norms are logged under: its table name, unless collections share it.
+
+    Args:
+        keys: the tables' state-dict keys.
+
+    Returns:
+        ``{key: label}``: the table name (``"t_cat_0"``), or for a name that several
+        collections give a table, the key without ``.weight`` (no table is dropped).
+    """
+    names = [table_of_key(k) for k in keys]
+    return {
+        k: n if names.count(n) == 1 else k.removesuffix(".weight")
+        for k, n in zip(keys, names, strict=True)
+    }
 
 
 class _NormCallback(Callback):
@@ -240,18 +265,28 @@ class EmbeddingNormCallback(_NormCallback):
                 "EmbeddingNormCallback found no EmbeddingBagCollection/EmbeddingCollection "
                 "table in the LightningModule."
             )
-        by_name = {table_of_key(k): k for k in available}
+        labels = table_labels(available)
         if self.tables is None:
-            self._keys = {table_of_key(k): k for k in available}
+            self._keys = {labels[k]: k for k in available}
             return
+        by_name = {labels[k]: k for k in available}
+        shared = {t: [k for k in available if table_of_key(k) == t] for t in self.tables}
+        ambiguous = {t: keys for t, keys in shared.items() if len(keys) > 1}
+        if ambiguous:
+            raise KeyError(
+                f"EmbeddingNormCallback(tables=...) names tables that several collections have: "
+                f"{ambiguous}; name them by one of these keys"
+            )
         unknown = [t for t in self.tables if t not in by_name and t not in available]
+        unknown = [t for t in unknown if not shared[t]]
         if unknown:
             hints = {u: difflib.get_close_matches(u, list(by_name), n=3) for u in unknown}
             raise KeyError(
                 f"EmbeddingNormCallback(tables=...) names unknown tables {unknown}; "
                 f"closest: {hints}; the model has {sorted(by_name)}"
             )
-        self._keys = {table_of_key(by_name.get(t, t)): by_name.get(t, t) for t in self.tables}
+        chosen = [t if t in available else by_name.get(t) or shared[t][0] for t in self.tables]
+        self._keys = {labels[k]: k for k in chosen}
 
     @override
     def _compute(self, pl_module: L.LightningModule) -> dict[str, float]:

@@ -124,6 +124,20 @@ def global_shape(tensor: torch.Tensor) -> torch.Size:
     return tensor.shape
 
 
+def global_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype of a plain tensor, ``ShardedTensor`` (its metadata's: no warning) or ``DTensor``.
+
+    Args:
+        tensor: the tensor.
+
+    Returns:
+        Its dtype.
+    """
+    if isinstance(tensor, ShardedTensor):
+        return tensor.metadata().tensor_properties.dtype
+    return tensor.dtype
+
+
 def shard_info(tensor: torch.Tensor) -> ShardInfo:
     """Describe the pieces of ``tensor`` that this rank holds.
 

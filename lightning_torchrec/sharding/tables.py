@@ -27,6 +27,7 @@ from torchrec.modules.embedding_modules import (
 from torchrec.modules.mc_modules import ManagedCollisionCollection, ManagedCollisionModule
 
 from lightning_torchrec.compat.upstream import ShardedTensor, sharded_table_views, unwrap_compiled
+from lightning_torchrec.sharding.layout import global_dtype, global_shape
 
 #: The unsharded TorchRec embedding module types.
 EMBEDDING_MODULES = (EmbeddingBagCollectionInterface, EmbeddingCollectionInterface)
@@ -269,7 +270,15 @@ def _sharded_views(module: nn.Module) -> dict[str, torch.Tensor] | None:
     views = sharded_table_views(module)
     if views is None and isinstance(module, ShardedModule):
         state = module.state_dict(keep_vars=True)  # the costly fallback, see compat
-        views = {k: v for k, v in state.items() if isinstance(v, ShardedTensor | DTensor)}
+        # Tables only: 2-D floating tensors (a managed-collision module's remapping state is
+        # sharded too, as 1-D integer tensors).
+        views = {
+            k: v
+            for k, v in state.items()
+            if isinstance(v, ShardedTensor | DTensor)
+            and len(global_shape(v)) == 2
+            and global_dtype(v).is_floating_point
+        }
     return views
 
 
