@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import lightning as L
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import DataLoader
 from torchrec.distributed.planner.types import ParameterConstraints
 
+from lightning_torchrec import TorchRecStrategy
 from lightning_torchrec.data.movielens import (
     UserSequences,
     best_achievable,
@@ -20,7 +23,7 @@ from lightning_torchrec.data.movielens import (
     read_ratings,
     write_cycle_ratings,
 )
-from lightning_torchrec.data.sequence_batch import sequence_batch
+from lightning_torchrec.data.sequence_batch import SequenceBatch, sequence_batch
 from lightning_torchrec.data.sequences import (
     MovieLensSequenceData,
     NextItemEvalDataset,
@@ -28,12 +31,17 @@ from lightning_torchrec.data.sequences import (
     leave_last_out,
 )
 from lightning_torchrec.demo_seq import split_sharding
-from lightning_torchrec.models.sequence import NextItemModelAndLoss, SASRec, target_ranks
+from lightning_torchrec.errors import BatchValidationError
+from lightning_torchrec.lightning.sequence import EvalLoss, SASRecModule
+from lightning_torchrec.models.sequence import NextItemModelAndLoss, SASRec, padded, target_ranks
 from lightning_torchrec.sharding.setup_checks import (
     check_constraints_for_device,
     device_constraints,
 )
+from lightning_torchrec.sharding.tables import feature_specs
+from lightning_torchrec.training.batch_checks import check_batch
 from lightning_torchrec.training.ranking import RankingMetrics, popularity_ranks, ranking_values
+from tests.scripts.factory import cpu_trainer
 
 # user 1: items 10, 30, 20, 40 at times 5, 1, 3, 9 (tie-free); user 2: 30, 10, 50 with a tie
 # (times 2, 2, 4: file order decides); user 3 has 2 interactions and is dropped.
@@ -244,3 +252,92 @@ def test_demo_sharding_choice() -> None:
     assert split_sharding(["--sharding=column_wise"]) == ("column_wise", [])
     with pytest.raises(SystemExit, match="must be one of"):
         split_sharding(["--sharding", "grid"])
+
+
+def row_wise_strategy() -> TorchRecStrategy:
+    return TorchRecStrategy(
+        constraints={"t_item": ParameterConstraints(sharding_types=["row_wise"])}, log_plan=False
+    )
+
+
+def loader(batches: list) -> DataLoader:
+    return DataLoader(batches, batch_size=None, collate_fn=lambda b: b)
+
+
+def test_a_history_over_max_length_is_refused_naming_feature_sample_and_length() -> None:
+    rng = np.random.default_rng(0)
+    histories = [rng.integers(0, 40, 12), rng.integers(0, 40, 3)]
+    batch = sequence_batch(histories, np.array([1, 2]), rng.integers(0, 40, 10))
+    specs = feature_specs(NextItemModelAndLoss(SASRec(40, max_length=8)))
+    assert specs["item_seq"].max_ids == 8 and specs["item_target"].max_ids == 1
+    found = check_batch(batch, specs, None, "rank 0, step 3")
+    assert isinstance(found, BatchValidationError)
+    assert str(found).startswith("rank 0, step 3: feature 'item_seq' (table 't_item') has 12 ")
+    assert "in sample 0, more than the 8" in str(found)
+    # Under the strategy: refused before the forward, by name (was a bare IndexError).
+    L.seed_everything(0)
+    model = SASRecModule(40, embedding_dim=8, max_length=8, num_heads=2)
+    trainer = cpu_trainer(row_wise_strategy(), max_steps=1, limit_val_batches=0)
+    with pytest.raises(BatchValidationError, match=r"rank 0, step 0: feature 'item_seq'.* 12 ids"):
+        trainer.fit(model, loader([batch]), loader([batch]))
+
+
+def test_a_long_history_that_reaches_the_model_is_read_from_its_last_items() -> None:
+    # A batch checked on the GPU is judged a step later: its forward must not fail meanwhile.
+    values = torch.arange(13, dtype=torch.float32).unsqueeze(1)
+    block = padded(values, torch.tensor([3, 10]), 4).squeeze(2)
+    assert block.tolist() == [[0, 1, 2, 0], [9, 10, 11, 12]]
+    torch.manual_seed(0)
+    model = SASRec(20, embedding_dim=8, max_length=4, num_heads=2, device="cpu")
+    long = sequence_batch([np.arange(1, 11), np.array([3])], np.array([4, 5]), np.arange(20))
+    short = sequence_batch([np.arange(7, 11), np.array([3])], np.array([4, 5]), np.arange(20))
+    a, b = (model(x.sparse_features) for x in (long, short))
+    assert a["lengths"].tolist() == [4, 1]
+    assert torch.equal(a["states"], b["states"])
+    loss_long, _ = NextItemModelAndLoss(model)(long)
+    assert torch.equal(loss_long, NextItemModelAndLoss(model)(short)[0])
+
+
+def merged(batches: list[SequenceBatch]) -> SequenceBatch:
+    """One batch holding every sample of weight > 0 of ``batches``."""
+    histories, labels = [], []
+    for b in batches:
+        seq = b.sparse_features["item_seq"]
+        for history, label, weight in zip(
+            torch.split(seq.values(), seq.lengths().tolist()), b.labels, b.weights, strict=True
+        ):
+            if weight > 0:
+                histories.append(history.numpy())
+                labels.append(int(label))
+    catalogue = batches[0].sparse_features["item_candidates"].values().numpy()
+    return sequence_batch(histories, np.array(labels), catalogue, np.ones(len(labels)))
+
+
+def validate(num_items: int, batches: list) -> dict[str, float]:
+    L.seed_everything(0)
+    model = SASRecModule(num_items, embedding_dim=8, max_length=6, num_heads=2)
+    trainer = cpu_trainer(row_wise_strategy())
+    return trainer.validate(model, dataloaders=loader(batches), verbose=False)[0]
+
+
+def test_val_loss_is_the_loss_over_every_real_position_padding_left_out(
+    generated: UserSequences,
+) -> None:
+    # What rank 1 of 2 reads: uneven batches, the last one a padding sample of weight 0.
+    batches = list(NextItemEvalDataset(generated, "val", 6, 6, rank=1, world_size=2))
+    assert [float(b.weights.sum()) for b in batches[-2:]] == [6, 0]
+    lengths = {int(b.sparse_features["item_seq"].lengths().sum()) for b in batches[:-1]}
+    assert len(lengths) > 1  # batches of different position counts
+    split = validate(generated.num_items, batches)
+    whole = validate(generated.num_items, [merged(batches)])
+    # The padding sample pulled val/loss down (x 48/49), and batches were averaged per sample.
+    assert split["val/loss"] == pytest.approx(whole["val/loss"], rel=1e-5)
+    assert split["val/recall@10"] == pytest.approx(whole["val/recall@10"], abs=1e-6)
+
+
+def test_eval_loss_weighs_batches_by_their_positions_and_ignores_weight_zero() -> None:
+    metric = EvalLoss()
+    metric.update(torch.tensor(2.0), torch.tensor(3.0))
+    metric.update(torch.tensor(float("nan")), torch.tensor(0.0))  # padding only: nothing
+    metric.update(torch.tensor(1.0), torch.tensor(1.0))
+    assert float(metric.compute()) == pytest.approx(7 / 4)

@@ -45,6 +45,28 @@ def test_ranking_metrics_cover_every_user_of_every_rank(run: Path) -> None:
         assert ranks[0]["val"][f"val/{name}"] == pytest.approx(float(combined[name]), abs=1e-6)
 
 
+def test_val_loss_is_the_mean_over_every_position_of_every_rank(run: Path) -> None:
+    ranks = load_ranks(run, "full")
+    weights = torch.cat([r["val_loss_weights"] for r in ranks])
+    losses = torch.cat([r["val_losses"] for r in ranks])
+    # Rank 0 holds 100 users, rank 1 60 and a padding sample (its last batch).
+    assert [float(r["val_weights"].sum()) for r in ranks] == [100, 60]
+    assert float(weights[-1]) == 0
+    want = float((losses * weights).sum() / weights.sum())
+    for r in ranks:
+        assert r["val"]["val/loss"] == pytest.approx(want, rel=1e-5)
+
+
+def test_a_history_over_max_length_on_rank_1_stops_both_ranks_by_name(run: Path) -> None:
+    r0, r1 = load_ranks(run, "long")
+    assert r0["error"] == r1["error"] == "BatchValidationError"
+    for msg in (r0["message"], r1["message"]):
+        assert "rank 1, " in msg and "feature 'item_seq' (table 't_item') has 12 ids" in msg
+        assert "in sample 0, more than the 8" in msg
+    assert "another rank failed" in r0["message"]
+    assert r0["global_step"] == r1["global_step"] <= 1  # the long batch never trained
+
+
 def dense(step: dict) -> dict:
     return {k: v for k, v in step["dense"].items() if not k.startswith(TABLE)}
 

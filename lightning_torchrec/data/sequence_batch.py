@@ -2,7 +2,8 @@
 
 One ``KeyedJaggedTensor`` carries three features that all read the one item table:
 
-* ``item_seq``: each sample's history, oldest first, at most ``max_length`` items;
+* ``item_seq``: each sample's history, oldest first, at most the model's ``max_length`` items
+  (the batch checks refuse a longer one, see :class:`~lightning_torchrec.models.sequence.SASRec`);
 * ``item_target``: each sample's next item (one id per sample);
 * ``item_candidates``: the items to score against, all on the first sample (the others have
   length 0): sampled negatives in training, the whole catalogue in evaluation. One shared list

@@ -18,7 +18,7 @@ batch, with the same negatives, exactly (see :mod:`lightning_torchrec.data.resum
 Evaluation batches hold every user once, in order, dealt round-robin to the ranks; the candidates
 are the whole catalogue (full ranking, no sampled metrics). Ranks run the same number of batches
 (the sharded lookup is a collective); a rank short of users gets a padding sample of weight 0,
-which the metrics ignore.
+which neither the loss nor the ranking metrics count.
 """
 
 from __future__ import annotations

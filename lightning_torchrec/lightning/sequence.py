@@ -6,10 +6,51 @@ from typing import Any
 
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torchmetrics import Metric
 
 from lightning_torchrec.lightning.module import TorchRecModule, default_optimizer
 from lightning_torchrec.models.sequence import sasrec_model
 from lightning_torchrec.training.ranking import RankingMetrics
+
+
+class EvalLoss(Metric):
+    """The loss over every position of every evaluated history, on every rank.
+
+    Each batch adds its loss times its ``loss_weight`` (the total weight of the positions the
+    loss averages) and that weight; the states are summed over the ranks, so the value is the
+    weighted mean cross-entropy over every real position of every rank, whatever their batches
+    and their split: the training loss over the whole evaluation. Padding samples (weight 0)
+    add nothing, and a batch of padding only adds 0 to both sums (no NaN).
+    """
+
+    full_state_update = False
+    higher_is_better = False
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        zero = torch.zeros((), dtype=torch.float64)
+        self.add_state("weighted", default=zero.clone(), dist_reduce_fx="sum")
+        self.add_state("total", default=zero.clone(), dist_reduce_fx="sum")
+
+    def update(self, loss: torch.Tensor, weight: torch.Tensor) -> None:
+        """Adds a batch.
+
+        Args:
+            loss: the batch's weighted mean loss.
+            weight: the total weight it averages over (0 adds nothing).
+        """
+        weight = weight.detach().double()
+        # A weight of 0 adds 0, even for a non-finite loss of a batch of padding only.
+        self.weighted += torch.where(weight > 0, loss.detach().double() * weight, 0.0)
+        self.total += weight
+
+    def compute(self) -> torch.Tensor:
+        """The mean over every position seen (on every rank).
+
+        Returns:
+            A float32 scalar (NaN before any weight).
+        """
+        return (self.weighted / self.total).float()
 
 
 class SASRecModule(TorchRecModule):
@@ -19,7 +60,9 @@ class SASRecModule(TorchRecModule):
     :mod:`lightning_torchrec.models.sequence`) and logs ``train/loss``, ``val/loss`` and
     ``test/loss``, and ``val/recall@k``, ``val/ndcg@k`` (and ``test/...``) for each cut-off in
     ``ks``: full-catalogue ranking, synchronised over the ranks
-    (:class:`~lightning_torchrec.training.ranking.RankingMetrics`). Checkpoints, the combined
+    (:class:`~lightning_torchrec.training.ranking.RankingMetrics`). ``val/loss`` and
+    ``test/loss`` are the loss over every position of every evaluated history of every rank
+    (:class:`EvalLoss`; padding samples do not count). Checkpoints, the combined
     optimizer and one-process loading are those of ``TorchRecModule``.
 
     Args:
@@ -62,6 +105,8 @@ class SASRecModule(TorchRecModule):
         self.ks = sorted(set(ks or [10]))
         self.val_ranking = RankingMetrics(self.ks)
         self.test_ranking = RankingMetrics(self.ks)
+        self.val_loss = EvalLoss()
+        self.test_loss = EvalLoss()
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -78,16 +123,16 @@ class SASRecModule(TorchRecModule):
         self._log_train_loss(loss, len(batch.labels), batch_idx)
         return loss
 
-    def _rank_step(self, batch: Any, stage: str, metric: RankingMetrics) -> torch.Tensor:
+    def _rank_step(self, batch: Any, metric: RankingMetrics, loss_metric: EvalLoss) -> torch.Tensor:
         loss, outputs = self(batch)
         metric.update(outputs["ranks"], outputs["weights"])
-        n = int(outputs["weights"].sum())
-        self.log(f"{stage}/loss", loss, sync_dist=True, batch_size=max(n, 1))
+        loss_metric.update(loss, outputs["loss_weight"])
         return loss
 
-    def _log_ranking(self, stage: str, metric: RankingMetrics) -> None:
-        values = metric.compute()
+    def _log_ranking(self, stage: str, metric: RankingMetrics, loss_metric: EvalLoss) -> None:
+        values = {"loss": loss_metric.compute(), **metric.compute()}
         metric.reset()
+        loss_metric.reset()
         # Already global (the states were summed over the ranks); sync_dist averages equal
         # values and tells Lightning so.
         for name, value in values.items():
@@ -95,7 +140,7 @@ class SASRecModule(TorchRecModule):
             self.log(f"{stage}/{name}", value, prog_bar=bar, sync_dist=True)
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        """Logs ``val/loss`` and updates the ranking metrics.
+        """Adds the batch to ``val/loss`` and the ranking metrics.
 
         Args:
             batch: the batch.
@@ -104,10 +149,10 @@ class SASRecModule(TorchRecModule):
         Returns:
             The loss.
         """
-        return self._rank_step(batch, "val", self.val_ranking)
+        return self._rank_step(batch, self.val_ranking, self.val_loss)
 
     def test_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        """Logs ``test/loss`` and updates the ranking metrics.
+        """Adds the batch to ``test/loss`` and the ranking metrics.
 
         Args:
             batch: the batch.
@@ -116,15 +161,15 @@ class SASRecModule(TorchRecModule):
         Returns:
             The loss.
         """
-        return self._rank_step(batch, "test", self.test_ranking)
+        return self._rank_step(batch, self.test_ranking, self.test_loss)
 
     def on_validation_epoch_end(self) -> None:
-        """Logs ``val/recall@k`` and ``val/ndcg@k`` of the whole validation."""
-        self._log_ranking("val", self.val_ranking)
+        """Logs ``val/loss``, ``val/recall@k`` and ``val/ndcg@k`` of the whole validation."""
+        self._log_ranking("val", self.val_ranking, self.val_loss)
 
     def on_test_epoch_end(self) -> None:
-        """Logs ``test/recall@k`` and ``test/ndcg@k`` of the whole test."""
-        self._log_ranking("test", self.test_ranking)
+        """Logs ``test/loss``, ``test/recall@k`` and ``test/ndcg@k`` of the whole test."""
+        self._log_ranking("test", self.test_ranking, self.test_loss)
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         """Scores of the batch's candidates after each history.

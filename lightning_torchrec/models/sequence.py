@@ -42,9 +42,13 @@ _FEATURES = ("item_seq", "item_target", "item_candidates")
 def padded(values: torch.Tensor, lengths: torch.Tensor, max_length: int) -> torch.Tensor:
     """Jagged rows ``[sum(lengths), D]`` as a left-aligned ``[B, max_length, D]`` zero-padded block.
 
+    A sample of more than ``max_length`` rows keeps its last ``max_length`` (its oldest rows go
+    to a spare slot that is cut off): the block is never indexed out of bounds, whatever the
+    lengths. The batch checks refuse such samples before the forward (see :class:`SASRec`).
+
     Args:
         values: the rows of every sample, concatenated.
-        lengths: ``[B]`` rows per sample (at most ``max_length``).
+        lengths: ``[B]`` rows per sample.
         max_length: the block's length.
 
     Returns:
@@ -52,15 +56,24 @@ def padded(values: torch.Tensor, lengths: torch.Tensor, max_length: int) -> torc
     """
     lengths = lengths.long()
     sample = torch.repeat_interleave(torch.arange(len(lengths), device=values.device), lengths)
-    starts = torch.cumsum(lengths, 0) - lengths
-    position = torch.arange(values.shape[0], device=values.device) - starts[sample]
-    out = values.new_zeros(len(lengths), max_length, values.shape[1])
+    # Where each sample's kept rows start: its end less the rows kept.
+    first = torch.cumsum(lengths, 0) - lengths.clamp(max=max_length)
+    position = torch.arange(values.shape[0], device=values.device) - first[sample]
+    position = torch.where(position < 0, max_length, position)
+    out = values.new_zeros(len(lengths), max_length + 1, values.shape[1])
     out[sample, position] = values
-    return out
+    return out[:, :max_length]
 
 
 class SASRec(nn.Module):
     """A causal transformer over item histories, items from an ``EmbeddingCollection``.
+
+    A history holds at most ``max_length`` items (the positional table's size). The model
+    declares that limit in :attr:`max_ids_per_sample`, which the batch checks of
+    ``TorchRecStrategy`` read: a longer history is refused before the forward with the same
+    :class:`~lightning_torchrec.errors.BatchValidationError` on every rank, naming the rank,
+    step, feature, sample and length. Should one reach the forward anyway (a batch checked on
+    the GPU is judged a step later), its last ``max_length`` items are read.
 
     Args:
         num_items: rows of the item table.
@@ -92,6 +105,8 @@ class SASRec(nn.Module):
             raise ValueError(f"embedding_dim {embedding_dim} is not a multiple of {num_heads=}")
         self.max_length = max_length
         self.embedding_dim = embedding_dim
+        #: The most ids one sample of each feature may hold (read by the batch checks).
+        self.max_ids_per_sample = {"item_seq": max_length, "item_target": 1}
         self.item_embeddings = EmbeddingCollection(
             tables=[
                 EmbeddingConfig(
@@ -128,15 +143,16 @@ class SASRec(nn.Module):
 
         Returns:
             ``states`` ``[B, L, D]`` (position ``t``: after the history's ``t``-th item; rows
-            past a history's length are padding), ``lengths`` ``[B]``, ``seq`` ``[B, L, D]``
+            past a history's length are padding), ``lengths`` ``[B]`` (the items read, at most
+            ``L``), ``seq`` ``[B, L, D]``
             (the history's item rows, padded), ``target`` ``[B, D]``, ``candidates``
             ``[C, D]`` and ``candidate_ids`` ``[C]``.
         """
         looked_up = self.item_embeddings(features)
         seq = looked_up["item_seq"]
-        lengths = seq.lengths().long()
         length = self.max_length
-        items = padded(seq.values(), lengths, length)
+        items = padded(seq.values(), seq.lengths(), length)
+        lengths = seq.lengths().long().clamp(max=length)
         # Distance from the history's end: the latest item is always at distance 0.
         t = torch.arange(length, device=items.device)
         distance = (lengths.unsqueeze(1) - 1 - t).clamp(0, length - 1)
@@ -193,8 +209,10 @@ class NextItemModelAndLoss(nn.Module):
 
         Returns:
             ``(loss, outputs)``: the weighted mean cross-entropy over every position of every
-            history; ``outputs`` holds ``loss``, ``labels``, ``weights``, ``scores`` ``[B, C]``
-            (the last position against the candidates) and ``ranks`` ``[B]``.
+            history (0 for a batch whose weights are all 0); ``outputs`` holds ``loss``,
+            ``labels``, ``weights``, ``loss_weight`` (the total weight of the positions the loss
+            averages: each position weighs its sample's weight), ``scores`` ``[B, C]`` (the last
+            position against the candidates) and ``ranks`` ``[B]``.
         """
         out = self.model(batch.sparse_features)
         states, lengths = out["states"], out["lengths"]
@@ -227,13 +245,15 @@ class NextItemModelAndLoss(nn.Module):
             reduction="none",
         )
         position_weights = weights.unsqueeze(1).expand(size, length)[valid]
-        loss = (per_position * position_weights).sum() / position_weights.sum().clamp_min(1e-12)
+        loss_weight = position_weights.sum()
+        loss = (per_position * position_weights).sum() / loss_weight.clamp_min(1e-12)
         scores = states[rows, last] @ out["candidates"].T
         ranks = target_ranks(scores.detach(), out["candidate_ids"], labels)
         outputs = {
             "loss": loss,
             "labels": labels,
             "weights": weights,
+            "loss_weight": loss_weight.detach(),
             "scores": scores,
             "ranks": ranks,
         }

@@ -196,12 +196,16 @@ class FeatureSpec:
             managed-collision table, its collision module's raw-id bound (``input_size()``),
             since the module remaps raw ids to rows.
         weighted: a weighted EBC reads it (``is_weighted=True``): the batch must carry weights.
+        max_ids: the most ids one sample may hold (None: no limit), as a module of the model
+            declares it in a ``max_ids_per_sample`` mapping (e.g. a sequence model's longest
+            history).
     """
 
     feature: str
     table: str
     num_embeddings: int
     weighted: bool = False
+    max_ids: int | None = None
 
 
 def managed_input_sizes(model: nn.Module) -> dict[str, int]:
@@ -229,7 +233,8 @@ def feature_specs(model: nn.Module) -> dict[str, FeatureSpec]:
         model: a model holding EBC/EC modules (before sharding; tables may be on meta).
 
     Returns:
-        One spec per feature name; a feature read by several tables gets the smallest table.
+        One spec per feature name; a feature read by several tables gets the smallest table,
+        and the smallest ``max_ids_per_sample`` any module of the model declares for it.
     """
     specs: dict[str, FeatureSpec] = {}
     inner = unwrap(model)
@@ -246,6 +251,12 @@ def feature_specs(model: nn.Module) -> dict[str, FeatureSpec]:
                     specs[feature] = FeatureSpec(feature, cfg.name, rows, weighted)
                 elif weighted:
                     specs[feature] = dataclasses.replace(old, weighted=True)
+    for module in inner.modules():
+        declared = getattr(module, "max_ids_per_sample", None)
+        for feature, limit in (declared if isinstance(declared, Mapping) else {}).items():
+            spec = specs.get(feature)
+            if spec is not None and (spec.max_ids is None or int(limit) < spec.max_ids):
+                specs[feature] = dataclasses.replace(spec, max_ids=int(limit))
     return specs
 
 

@@ -98,6 +98,7 @@ def _check_kjt(kjt: Any, specs: Mapping[str, FeatureSpec]) -> None:
             f"sparse features {keys} have {lengths.numel()} lengths for {len(keys)} features of "
             f"{kjt.stride()} samples: each feature needs one length per sample (0 for no ids)."
         )
+    _check_max_ids(kjt, specs)
     total = int(lengths.sum())
     if total != values.numel():
         raise BatchValidationError(
@@ -139,6 +140,28 @@ def _check_kjt(kjt: Any, specs: Mapping[str, FeatureSpec]) -> None:
     raise BatchValidationError(
         out_of_range_message(kjt, specs, pos, int(values[pos]), int(bad.sum()))
     )
+
+
+def _check_max_ids(kjt: Any, specs: Mapping[str, FeatureSpec]) -> None:
+    """Refuses a sample holding more ids of a feature than the model declares it reads."""
+    if all(spec.max_ids is None for spec in specs.values()):
+        return
+    lengths = kjt.lengths()
+    start = 0
+    for key, stride in zip(kjt.keys(), kjt.stride_per_key(), strict=True):
+        spec, part = specs.get(key), lengths[start : start + stride]
+        start += stride
+        limit = None if spec is None else spec.max_ids  # an unknown key is named later
+        if limit is None or not part.numel() or int(part.max()) <= limit:
+            continue
+        sample = int(torch.nonzero(part > limit)[0])
+        raise BatchValidationError(
+            f"feature {key!r} (table {specs[key].table!r}) has {int(part[sample])} ids in "
+            f"sample {sample}, more than the {limit} the model reads per sample "
+            f"(max_ids_per_sample); {int((part > limit).sum())} sample(s) of this batch are "
+            "over it. Truncate them in the dataset (e.g. keep a history's last items), or "
+            "build the model with a larger limit."
+        )
 
 
 def _runs(per_key: list[int], rows: list[int]) -> list[tuple[int, int, int]]:
@@ -245,9 +268,10 @@ def validate_batch(
 
     Raises:
         BatchValidationError: for an empty batch, float ids, lengths that do not sum to the
-            number of ids, ids outside ``[0, num_embeddings)`` of their table, keys no table
-            reads, features a table reads that are missing, dense features of the wrong shape
-            or non-finite, labels/weights of the wrong shape or non-finite.
+            number of ids, a sample holding more ids of a feature than the model declares
+            (``FeatureSpec.max_ids``), ids outside ``[0, num_embeddings)`` of their table,
+            keys no table reads, features a table reads that are missing, dense features of
+            the wrong shape or non-finite, labels/weights of the wrong shape or non-finite.
     """
     kjts = kjts_of(batch)
     if specs and not kjts:

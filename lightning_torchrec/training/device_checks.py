@@ -36,8 +36,8 @@ from lightning_torchrec.training.batch_checks import (
 )
 
 #: The flags one batch reduces to: ids out of range, lengths not matching the ids, negative
-#: lengths, non-finite dense features, labels or weights.
-FLAGS = ("ids", "lengths", "negative_lengths", "dense", "labels", "weights")
+#: lengths, non-finite dense features, labels or weights, samples over a feature's ``max_ids``.
+FLAGS = ("ids", "lengths", "negative_lengths", "dense", "labels", "weights", "too_long")
 
 
 def _structure(batch: Any, specs: Mapping[str, FeatureSpec]) -> str | None:
@@ -89,6 +89,11 @@ def device_flags(batch: Any, specs: Mapping[str, FeatureSpec]) -> torch.Tensor:
         per_bag = rows.repeat_interleave(stride)
         flags[1] += (lengths.sum() != values.numel()).long()
         flags[2] += (lengths < 0).sum()
+        limits = [specs[k].max_ids for k in keys]
+        if any(m is not None for m in limits):
+            most = torch.tensor([-1 if m is None else m for m in limits], device=device)
+            most = most.repeat_interleave(stride)
+            flags[FLAGS.index("too_long")] += ((lengths > most) & (most >= 0)).sum()
         if values.numel():
             # Each id's bag by its position against the bags' ends: no host read, and robust
             # to lengths that do not match the ids (flagged above).
