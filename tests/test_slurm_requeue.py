@@ -131,3 +131,32 @@ def test_added_only_under_slurm_auto_requeue(slurm: Path, monkeypatch: pytest.Mo
     assert slurm_job_id() == "77_3"
     with pytest.raises(ValueError, match="check_every_n_steps"):
         SLURMRequeue(check_every_n_steps=0)
+
+
+class SignalInSanityCheck(Callback):
+    """Sends SIGUSR1 to this process at the first batch of the sanity-check validation."""
+
+    def on_validation_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.sanity_checking:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+
+def test_a_requeue_signal_during_the_sanity_check_saves_at_the_first_step(slurm: Path) -> None:
+    # Lightning installs its own handler (a save inside the handler, on the signalled rank
+    # alone) before the sanity check; ours replaces it from the check's start.
+    root = slurm / "run"
+    L.seed_everything(3)
+    trainer = cpu_trainer(
+        TorchRecStrategy(constraints=table_wise(2), log_plan=False),
+        plugins=[SLURMEnvironment(auto_requeue=True)],
+        max_steps=6,
+        num_sanity_val_steps=1,
+        limit_val_batches=1,
+        default_root_dir=root,
+        callbacks=[SignalInSanityCheck()],
+    )
+    with pytest.raises(Preempted) as info:
+        trainer.fit(tiny_dlrm(), datamodule=tiny_data(train_batches=20))
+    assert info.value.code == 0 and trainer.global_step == 1
+    assert (slurm / "scontrol.log").read_text().split() == ["requeue", "4242"]
+    assert [p.name for p in root.iterdir() if p.name.startswith("hpc_")] == ["hpc_ckpt_1.ckpt"]

@@ -48,11 +48,21 @@ class _SaveOnSignal(Callback):
     def _handler(self, signum: int, frame: Any) -> None:
         self.received = signum
 
+    def _install(self) -> None:
+        # Lightning installs its own handlers (which save inside the handler, on the signalled
+        # rank alone) right before the sanity check: replace them from its start.
+        if not self._previous:
+            self.received = None
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._handler)
+
+    @override
+    def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._install()
+
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.received = None
-        for sig in self.signals:
-            self._previous[sig] = signal.signal(sig, self._handler)
+        self._install()  # a signal during the sanity check is acted on at the first step
 
     def _restore(self) -> None:
         for sig, handler in self._previous.items():
