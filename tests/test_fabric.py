@@ -93,7 +93,11 @@ def test_reshard_two_ranks_to_one(run: Path) -> None:
 
 @pytest.mark.parametrize(
     ("fault", "error", "step"),
-    [("bad_batch", "BatchValidationError", 2), ("nan_loss", "NonFiniteLossError", 4)],
+    [
+        ("bad_batch", "BatchValidationError", 2),
+        ("nan_loss", "NonFiniteLossError", 4),
+        ("second_forward", "BatchValidationError", 2),  # every forward is checked
+    ],
 )
 def test_one_rank_fault_raises_the_same_named_error_everywhere(
     run: Path, fault: str, error: str, step: int

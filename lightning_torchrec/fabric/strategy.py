@@ -147,7 +147,7 @@ class TorchRecFabricStrategy(FabricCheckpointing, DDPStrategy):
         self.check_in_forward = check_in_forward
         self.collective_timeout = timeout
         self.step = 0
-        self._checked_step = -1
+        self._prechecked = False  # check_batch was called for the coming forward
         self._host_group: Any = None
         self._runner: StepRunner | None = None
         self._dmp: DistributedModelParallel | None = None
@@ -219,7 +219,7 @@ class TorchRecFabricStrategy(FabricCheckpointing, DDPStrategy):
             text = sharded.summary.to_markdown()
             rank_zero_info(f"TorchRec sharding plan ({sharded.summary.world_size} ranks):\n{text}")
         if first:  # a new model: its own steps, optimizers and checks
-            self.step, self._checked_step, self._optimizers = 0, -1, []
+            self.step, self._prechecked, self._optimizers = 0, False, []
             if self._runner is not None:
                 self._runner.close()
             self._runner = StepRunner(
@@ -234,7 +234,7 @@ class TorchRecFabricStrategy(FabricCheckpointing, DDPStrategy):
                 group=self._host_group,
                 batch_checks=self.batch_checks,
             )
-            sharded.dmp.register_forward_pre_hook(self._before_forward)
+            sharded.dmp.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         return sharded.dmp
 
     @override
@@ -294,15 +294,17 @@ class TorchRecFabricStrategy(FabricCheckpointing, DDPStrategy):
         return dataloader
 
     # ------------------------------------------------------------------ the step
-    def _before_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+    def _before_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: Any) -> None:
         if not module.training:
             return
         for optimizer in self._optimizers:
             # The fused kernels read the LR during backward; a scheduler's change made after the
             # last step must reach them before this forward.
             optimizer.push_fused_lr()
-        if self.check_in_forward and self._checked_step != self.step:
-            self.check_batch(args[0] if len(args) == 1 else args)
+        if self.check_in_forward and not self._prechecked:  # every forward (several a step too)
+            inputs = (*args, *kwargs.values())  # model(batch) or model(batch=batch)
+            self._check(inputs[0] if len(inputs) == 1 else inputs)
+        self._prechecked = False
 
     def check_batch(self, batch: Any, last: bool = False) -> None:
         """The agreed checks of the coming training step; call before its forward. Collective.
@@ -310,7 +312,7 @@ class TorchRecFabricStrategy(FabricCheckpointing, DDPStrategy):
         One small collective decides whether any rank's batch is bad (ids out of range, unknown
         keys, bad lengths or dtypes, non-finite dense features) and whether any rank's previous
         loss was NaN/inf. Runs by itself before every training forward unless
-        ``check_in_forward=False``; calling it first makes that forward skip it.
+        ``check_in_forward=False``; calling it first makes the next forward skip it.
 
         Args:
             batch: this rank's batch.
@@ -323,11 +325,14 @@ class TorchRecFabricStrategy(FabricCheckpointing, DDPStrategy):
             NonFiniteLossError: on every rank when some rank's previous loss was NaN/inf.
             RuntimeError: before ``setup_module``.
         """
+        self._check(batch, last)
+        self._prechecked = True
+
+    def _check(self, batch: Any, last: bool = False) -> None:
         runner = self._require_runner()
         step = self.step
         guard = runner.guard
         runner.collective(guard.before_training_step, batch, step, step, last, None, batch)
-        self._checked_step = step
 
     def finish(self) -> None:
         """Judges the last step's loss on every rank; call once after the training loop.

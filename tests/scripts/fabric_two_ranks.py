@@ -8,7 +8,8 @@ both learning rates halved every ``HALVE`` steps by one ``StepLR``):
 4. ``fabric_resume``: a fresh model (another seed) ``fabric.load``s step ``K`` and finishes;
 5. ``trainer_resume``: the Trainer resumes the Fabric checkpoint and finishes;
    ``fabric_from_trainer``: Fabric loads the Trainer's final checkpoint;
-6. ``faults``: a bad batch, then a NaN loss, on rank 1 only.
+6. ``faults``: on rank 1 only, a bad batch; a bad batch in the second of two forwards of one
+   step (called by keyword); a NaN loss.
 
 Each rank writes ``{phase}_rank{r}.pt`` (losses, local weights, what it raised) into argv[1].
 """
@@ -219,6 +220,13 @@ def fabric_from_trainer(fabric: L.Fabric) -> dict[str, Any]:
     }
 
 
+def broken(batch: Batch) -> Batch:
+    """The batch with ids far outside the tables."""
+    kjt = batch.sparse_features
+    bad = KeyedJaggedTensor(kjt.keys(), kjt.values() + 1000, lengths=kjt.lengths())
+    return Batch(batch.dense_features, bad, batch.labels)
+
+
 def faults(fabric: L.Fabric) -> dict[str, Any]:
     L.seed_everything(SEED)
     unsharded = Click()  # fabric.setup with an optimizer built before sharding
@@ -226,15 +234,15 @@ def faults(fabric: L.Fabric) -> dict[str, Any]:
     model, optimizer = fabric.setup(unsharded, optimizer)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     rank, seen = fabric.global_rank, {"meta_in_optimizer": any(p.is_meta for p in params)}
-    for name in ("bad_batch", "nan_loss"):
+    for name in ("bad_batch", "second_forward", "nan_loss"):
         try:
             for step, batch in enumerate(batches(rank)):
-                if name == "bad_batch" and rank == 1 and step == 2:
-                    kjt = batch.sparse_features
-                    bad = KeyedJaggedTensor(kjt.keys(), kjt.values() + 1000, lengths=kjt.lengths())
-                    batch = Batch(batch.dense_features, bad, batch.labels)
+                bad = broken(batch) if rank == 1 and step == 2 else batch
                 optimizer.zero_grad()
-                loss, _ = model(batch)
+                if name == "second_forward":  # a summed loss of two forwards; one by keyword
+                    loss = model(batch)[0] + model(batch=bad)[0]
+                else:
+                    loss, _ = model(bad if name == "bad_batch" else batch)
                 if name == "nan_loss" and rank == 1 and step == 3:
                     loss = loss * float("nan")
                 fabric.backward(loss)
