@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from lightning_torchrec.compat.elastic import warn_multi_agent_restarts
 from lightning_torchrec.errors import PeerFailureError, RankFailureError
 
 T = TypeVar("T")
@@ -40,8 +41,8 @@ def attempt_store(timeout: timedelta) -> dist.Store | None:
     barrier counters) under the same names and may read them before they are rewritten, then
     connects to a dead peer ("Gloo connectFullMesh failed ... Connection refused") or hangs.
     This store puts every key of attempt ``TORCHELASTIC_RESTART_COUNT`` under its own prefix
-    (:data:`ATTEMPT_PREFIX`). Every agent of a job restarts its workers together after a
-    failure, so the ranks of one attempt share its count.
+    (:data:`ATTEMPT_PREFIX`); the agents of a multi-node job do not share that count (a warning
+    says so, :mod:`lightning_torchrec.compat.elastic`).
 
     Args:
         timeout: how long a rank waits for a key.
@@ -53,6 +54,7 @@ def attempt_store(timeout: timedelta) -> dist.Store | None:
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
+    warn_multi_agent_restarts()
     agent = dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),

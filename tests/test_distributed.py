@@ -8,6 +8,7 @@ add what the other rank says.
 from __future__ import annotations
 
 import atexit
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lightning_torchrec.compat.elastic import warn_multi_agent_restarts
 from lightning_torchrec.distributed import (
     agree,
     attempt_store,
@@ -327,3 +329,20 @@ def test_a_vote_started_ahead_is_decided_later_with_the_same_outcome(
     world.peer_votes = [False, False, True]
     assert launch_agree(None, flags=[True, False])() == [[0], [1]]
     assert (world.started, world.gathers) == (2, 1)  # still one collective per vote
+
+
+def test_a_multi_agent_job_that_may_restart_is_told_to_give_rounds_their_own_store(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torchrun = {"TORCHELASTIC_USE_AGENT_STORE": "True", "RANK": "0"}
+    agents = {"GROUP_WORLD_SIZE": "2", "TORCHELASTIC_MAX_RESTARTS": "3"}
+    for key, value in (torchrun | agents).items():
+        monkeypatch.setenv(key, value)
+    with pytest.warns(UserWarning, match="2 agents with --max-restarts 3.*TORCH_DISABLE_SHARE"):
+        warn_multi_agent_restarts()
+    for quiet in ({"GROUP_WORLD_SIZE": "1"}, {"TORCHELASTIC_MAX_RESTARTS": "0"}, {"RANK": "1"}):
+        with monkeypatch.context() as m, warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for key, value in quiet.items():
+                m.setenv(key, value)
+            warn_multi_agent_restarts()
