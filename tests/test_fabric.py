@@ -108,3 +108,14 @@ def test_one_rank_fault_raises_the_same_named_error_everywhere(
     assert [s[0] for s in seen] == [error, error]
     assert [s[2] for s in seen] == [step, step]
     assert "rank 1" in seen[0][1] and "rank 1" in seen[1][1] or "[1]" in seen[1][1]
+
+
+def test_a_rank_still_training_when_another_finishes_raises_uneven_data_everywhere(
+    run: Path,
+) -> None:
+    # Rank 1's vote before its extra forward meets rank 0's finish(): no hang, one named error.
+    seen = [r["uneven"] for r in load_ranks(run, "faults")]
+    assert [s[0] for s in seen] == ["UnevenDataError", "UnevenDataError"]
+    last = seen[0][2]
+    assert seen[1][2] == last + 1  # rank 0 raised in finish() after its last step, rank 1 before
+    assert all("rank(s) [0] have" in s[1] and "rank(s) [1] have more" in s[1] for s in seen)

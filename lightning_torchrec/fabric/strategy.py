@@ -339,9 +339,10 @@ class TorchRecFabricStrategy(FabricCheckpointing, DDPStrategy):
 
         Raises:
             NonFiniteLossError: on every rank when some rank's last loss was NaN/inf.
+            UnevenDataError: on every rank when another rank is still training.
         """
         runner = self._require_runner()
-        runner.collective(runner.guard.flush)
+        runner.collective(runner.guard.flush, self.step)
 
     def _require_runner(self) -> StepRunner:
         if self._runner is None:

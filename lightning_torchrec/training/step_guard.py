@@ -69,8 +69,7 @@ class StepGuard:
         token: str | None = None,
         deferred: bool = False,
     ) -> None:
-        #: Whether the training step's vote runs every step to carry a stop request (see
-        #: :meth:`before_training_step`); set by a front end that stops on a signal.
+        #: Whether each training step's vote carries a stop request (set by a front end).
         self.carries_stop = False
         self.on_nonfinite_loss = on_nonfinite_loss
         self.device = device
@@ -116,9 +115,9 @@ class StepGuard:
     def _verdict(
         self, batch: Any, where: str, ahead: list[tuple[int, Any]] | None = None
     ) -> Exception | None:
-        rank, _ = rank_and_world_size()
         if ahead is None:
-            return self._check(batch, f"rank {rank}, {where}")
+            return self._check(batch, f"rank {rank_and_world_size()[0]}, {where}")
+        rank, _ = rank_and_world_size()
         for index, early in ahead:
             found = self._check(
                 early,
@@ -159,8 +158,7 @@ class StepGuard:
         had, earlier = self._take_deferred()
         verdict = None
         if checked:
-            rank, _ = rank_and_world_size()
-            deferred = self.deferred
+            rank, deferred = rank_and_world_size()[0], self.deferred
             if deferred is None or ahead is not None or device_batch is None:
                 verdict = self._verdict(batch, f"step {step}", ahead)
             elif self._worker_problem(batch) is UNCHECKED:
@@ -182,7 +180,7 @@ class StepGuard:
             return False, None
         return True, self.deferred.verdict()
 
-    def settle(self, loss: bool = False) -> None:
+    def settle(self, loss: bool = False, ended: int | None = None) -> None:
         """Judges a pending deferred batch verdict (and with ``loss``, the last loss). Collective.
 
         Call on every rank before a checkpoint is written: a bad batch of the last step then
@@ -191,13 +189,16 @@ class StepGuard:
 
         Args:
             loss: judge the last step's loss too (at the end of training).
+            ended: this rank's loop ended after that many steps: it votes "no batch left", so a
+                rank still training meets the vote and every rank raises ``UnevenDataError``.
         """
         had, earlier = self._take_deferred()
         pending, self._pending = self._pending, None
         if loss:
             self._pending = pending
         try:
-            self.check(earlier, batch_checked=had)
+            last = ended is not None
+            self.check(earlier, had or last, last, (ended or 1) - 1)
         finally:
             if not loss:
                 self._pending = pending
@@ -256,9 +257,8 @@ class StepGuard:
             if self._host_loss is None:
                 self._host_loss = torch.empty(1, dtype=torch.float32, pin_memory=True)
             self._host_loss.copy_(value.reshape(-1)[:1], non_blocking=True)
-            self._copied = torch.cuda.Event()
+            self._copied, value = torch.cuda.Event(), self._host_loss
             self._copied.record()
-            value = self._host_loss
         self._pending = (step, value)
 
     def check(
@@ -353,9 +353,9 @@ class StepGuard:
         check_even(last, "training", batch_idx)
         return stopping
 
-    def flush(self) -> None:
-        """Judges the last step's loss and batch (call at the end of training, on every rank)."""
-        self.settle(loss=True)
+    def flush(self, ended: int | None = None) -> None:
+        """The last step's loss and batch judged at training's end, on every rank (see settle)."""
+        self.settle(loss=True, ended=ended)
 
 
 def _nonfinite_loss_error(pending: tuple[int, torch.Tensor] | None) -> NonFiniteLossError | None:

@@ -9,7 +9,7 @@ both learning rates halved every ``HALVE`` steps by one ``StepLR``):
 5. ``trainer_resume``: the Trainer resumes the Fabric checkpoint and finishes;
    ``fabric_from_trainer``: Fabric loads the Trainer's final checkpoint;
 6. ``faults``: on rank 1 only, a bad batch; a bad batch in the second of two forwards of one
-   step (called by keyword); a NaN loss.
+   step (called by keyword); one batch more than rank 0; a NaN loss.
 
 Each rank writes ``{phase}_rank{r}.pt`` (losses, local weights, what it raised) into argv[1].
 """
@@ -234,9 +234,12 @@ def faults(fabric: L.Fabric) -> dict[str, Any]:
     model, optimizer = fabric.setup(unsharded, optimizer)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     rank, seen = fabric.global_rank, {"meta_in_optimizer": any(p.is_meta for p in params)}
-    for name in ("bad_batch", "second_forward", "nan_loss"):
+    for name in ("bad_batch", "second_forward", "uneven", "nan_loss"):
+        loader = list(batches(rank))
+        if name == "uneven" and rank == 1:
+            loader.append(loader[0])  # one batch more than rank 0, no `last` flag given
         try:
-            for step, batch in enumerate(batches(rank)):
+            for step, batch in enumerate(loader):
                 bad = broken(batch) if rank == 1 and step == 2 else batch
                 optimizer.zero_grad()
                 if name == "second_forward":  # a summed loss of two forwards; one by keyword
