@@ -25,6 +25,8 @@ from lightning_torchrec.training.metrics import (
 from lightning_torchrec.training.window_metrics import SampleWindow, window_shares
 
 BATCH, STEPS, TASKS = 64, 6, ("click", "like")
+#: The plain functions the window values are checked against.
+PLAIN = {"ne": normalized_entropy, "calibration": calibration, "auroc": auroc, "auprc": auprc}
 
 
 def fake_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -148,12 +150,7 @@ def _check_uneven(rank: int, world: int) -> dict[str, float]:
             metrics.update(*uneven_batch(rank, step))
         got = metrics.compute()
         last = slice(max(0, len(p) - size), None)
-        for name, fn in (
-            ("ne", normalized_entropy),
-            ("calibration", calibration),
-            ("auroc", auroc),
-            ("auprc", auprc),
-        ):
+        for name, fn in PLAIN.items():
             direct = float(fn(p[last], y[last], w[last]))
             errors[f"uneven{size}/{name}"] = abs(float(got[f"{name}/click/window"]) - direct)
     return errors
@@ -180,12 +177,7 @@ def test_window_of_more_than_1000_batches_holds_the_last_samples(window: int, ba
         metrics.update(p[part], y[part], w[part])
     got = metrics.named("train")
     last = slice(len(p) - window, None)
-    for name, fn in (
-        ("ne", normalized_entropy),
-        ("calibration", calibration),
-        ("auroc", auroc),
-        ("auprc", auprc),
-    ):
+    for name, fn in PLAIN.items():
         direct = float(fn(p[last], y[last], w[last]))
         assert float(got[f"train/{name}_window"]) == pytest.approx(direct, abs=1e-5), name
     last_1000_batches = slice(len(p) - 1000 * batch, None)
