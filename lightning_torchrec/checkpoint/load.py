@@ -46,7 +46,12 @@ from lightning_torchrec.errors import (
 )
 from lightning_torchrec.sharding.layout import global_shape
 from lightning_torchrec.sharding.tables import table_of_key
-from lightning_torchrec.training.optim import DENSE_KEY, forget_dense_state, init_optimizer_state
+from lightning_torchrec.training.optim import (
+    DENSE_KEY,
+    DenseAndFusedOptimizer,
+    forget_dense_state,
+    init_optimizer_state,
+)
 
 
 def _global_shape(value: Any) -> tuple[int, ...] | None:
@@ -307,7 +312,9 @@ def load_sharded(
                     "To train on from its weights, load them first with the same Trainer "
                     "(`trainer.validate(model, ckpt_path=...)`), then `trainer.fit(model)`."
                 )
-            unstepped[i] = _unstepped_dense(target, stored, optimizer_key(i))
+            # Only the package's combined optimizer tells its dense groups from the tables'.
+            combined = isinstance(opt, DenseAndFusedOptimizer)
+            unstepped[i] = _unstepped_dense(target, stored, optimizer_key(i)) if combined else []
             for key in unstepped[i]:
                 del target[key]
             try:

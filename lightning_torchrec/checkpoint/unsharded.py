@@ -282,12 +282,12 @@ def load_unsharded(
     """
     checkpoint = Path(checkpoint)
     folder, entries, metadata = _open(checkpoint, True, key, limits)
+    shapes = {k: tuple(v.size) for k, v in entries.items()}
     if isinstance(module, type):
         meta = folder.meta(weights_only)
         hparams = meta.get("hyper_parameters") or {}
         if not isinstance(hparams, dict) or not all(isinstance(k, str) for k in hparams):
             raise CheckpointCorruptError(f"{checkpoint}: its hyper_parameters are not a dict")
-        shapes = {k: tuple(v.size) for k, v in entries.items()}
         args = {**hparams, **init_args}
         # The hyper-parameters come from the file: the model they describe is built on the meta
         # device first (no memory) and checked against the checkpoint's shapes, so a crafted
@@ -303,7 +303,6 @@ def load_unsharded(
         module = module(**args)
     elif init_args:
         raise TypeError(f"constructor arguments {sorted(init_args)} need a class, not a module")
-    shapes = {k: tuple(v.size) for k, v in entries.items()}
     target = {f"{MODEL_KEY}.{k}": v for k, v in module.state_dict().items()}
     check_managed_collision_layout(checkpoint, target, metadata)
     tensors = iter_plain_tensors(checkpoint, verify=False, key=key, limits=limits)
