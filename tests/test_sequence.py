@@ -6,6 +6,7 @@ One-process tests here; the 2-rank training, resume and resharding are in
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import lightning as L
@@ -14,6 +15,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 from torchrec.distributed.planner.types import ParameterConstraints
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_torchrec import TorchRecStrategy
 from lightning_torchrec.data.movielens import (
@@ -40,6 +42,7 @@ from lightning_torchrec.sharding.setup_checks import (
 )
 from lightning_torchrec.sharding.tables import feature_specs
 from lightning_torchrec.training.batch_checks import check_batch
+from lightning_torchrec.training.device_checks import FLAGS, device_flags
 from lightning_torchrec.training.ranking import RankingMetrics, popularity_ranks, ranking_values
 from tests.scripts.factory import cpu_trainer
 
@@ -280,6 +283,42 @@ def test_a_history_over_max_length_is_refused_naming_feature_sample_and_length()
     trainer = cpu_trainer(row_wise_strategy(), max_steps=1, limit_val_batches=0)
     with pytest.raises(BatchValidationError, match=r"rank 0, step 0: feature 'item_seq'.* 12 ids"):
         trainer.fit(model, loader([batch]), loader([batch]))
+
+
+def _without_target(batch: SequenceBatch, sample: int) -> SequenceBatch:
+    """``batch`` with the ``item_target`` id of ``sample`` removed (its length 0)."""
+    kjt = batch.sparse_features
+    keys, stride = kjt.keys(), kjt.stride()
+    lengths = kjt.lengths().clone()
+    position = sum(kjt.length_per_key()[: keys.index("item_target")]) + sample
+    lengths[keys.index("item_target") * stride + sample] = 0
+    values = torch.cat([kjt.values()[:position], kjt.values()[position + 1 :]])
+    features = KeyedJaggedTensor(keys=keys, values=values, lengths=lengths)
+    return dataclasses.replace(batch, sparse_features=features)
+
+
+def test_a_sample_without_its_target_is_refused_on_host_and_device() -> None:
+    # It used to train: the other sample's target was broadcast over both rows of the loss.
+    rng = np.random.default_rng(0)
+    good = sequence_batch(
+        [rng.integers(0, 40, 5), rng.integers(0, 40, 3)], np.array([1, 2]), rng.integers(0, 40, 10)
+    )
+    bad = _without_target(good, 1)
+    specs = feature_specs(NextItemModelAndLoss(SASRec(40, max_length=8)))
+    assert specs["item_target"].min_ids == 1 and specs["item_seq"].min_ids == 0
+    assert check_batch(good, specs, None, "rank 0, step 0") is None
+    found = check_batch(bad, specs, None, "rank 0, step 2")
+    assert isinstance(found, BatchValidationError)
+    assert str(found).startswith("rank 0, step 2: feature 'item_target' (table 't_item') has 0 ")
+    assert "in sample 1, fewer than the 1" in str(found)
+    flags = dict(zip(FLAGS, device_flags(bad, specs)[: len(FLAGS)].tolist(), strict=True))
+    assert flags["too_short"] == 1 and flags["too_long"] == 0
+    assert device_flags(good, specs)[: len(FLAGS)].tolist() == [0] * len(FLAGS)
+    L.seed_everything(0)
+    model = SASRecModule(40, embedding_dim=8, max_length=8, num_heads=2)
+    trainer = cpu_trainer(row_wise_strategy(), max_steps=2, limit_val_batches=0)
+    with pytest.raises(BatchValidationError, match=r"rank 0, step 1: feature 'item_target'"):
+        trainer.fit(model, loader([good, bad]), loader([good]))
 
 
 def test_a_long_history_that_reaches_the_model_is_read_from_its_last_items() -> None:

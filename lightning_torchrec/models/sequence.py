@@ -107,6 +107,8 @@ class SASRec(nn.Module):
         self.embedding_dim = embedding_dim
         #: The most ids one sample of each feature may hold (read by the batch checks).
         self.max_ids_per_sample = {"item_seq": max_length, "item_target": 1}
+        #: The fewest ids one sample of each feature must hold: one target per sample.
+        self.min_ids_per_sample = {"item_target": 1}
         self.item_embeddings = EmbeddingCollection(
             tables=[
                 EmbeddingConfig(

@@ -199,6 +199,8 @@ class FeatureSpec:
         max_ids: the most ids one sample may hold (None: no limit), as a module of the model
             declares it in a ``max_ids_per_sample`` mapping (e.g. a sequence model's longest
             history).
+        min_ids: the fewest ids one sample must hold (0: none), as a module declares it in a
+            ``min_ids_per_sample`` mapping (e.g. a sequence model's one target per sample).
     """
 
     feature: str
@@ -206,6 +208,7 @@ class FeatureSpec:
     num_embeddings: int
     weighted: bool = False
     max_ids: int | None = None
+    min_ids: int = 0
 
 
 def managed_input_sizes(model: nn.Module) -> dict[str, int]:
@@ -234,7 +237,8 @@ def feature_specs(model: nn.Module) -> dict[str, FeatureSpec]:
 
     Returns:
         One spec per feature name; a feature read by several tables gets the smallest table,
-        and the smallest ``max_ids_per_sample`` any module of the model declares for it.
+        the smallest ``max_ids_per_sample`` and the largest ``min_ids_per_sample`` any module
+        of the model declares for it.
     """
     specs: dict[str, FeatureSpec] = {}
     inner = unwrap(model)
@@ -257,6 +261,11 @@ def feature_specs(model: nn.Module) -> dict[str, FeatureSpec]:
             spec = specs.get(feature)
             if spec is not None and (spec.max_ids is None or int(limit) < spec.max_ids):
                 specs[feature] = dataclasses.replace(spec, max_ids=int(limit))
+        declared = getattr(module, "min_ids_per_sample", None)
+        for feature, least in (declared if isinstance(declared, Mapping) else {}).items():
+            spec = specs.get(feature)
+            if spec is not None and int(least) > spec.min_ids:
+                specs[feature] = dataclasses.replace(spec, min_ids=int(least))
     return specs
 
 

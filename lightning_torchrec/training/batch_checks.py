@@ -143,20 +143,30 @@ def _check_kjt(kjt: Any, specs: Mapping[str, FeatureSpec]) -> None:
 
 
 def _check_max_ids(kjt: Any, specs: Mapping[str, FeatureSpec]) -> None:
-    """Refuses a sample holding more ids of a feature than the model declares it reads."""
-    if all(spec.max_ids is None for spec in specs.values()):
+    """Refuses a sample holding more (or fewer) ids of a feature than the model declares."""
+    if all(spec.max_ids is None and not spec.min_ids for spec in specs.values()):
         return
     lengths = kjt.lengths()
     start = 0
     for key, stride in zip(kjt.keys(), kjt.stride_per_key(), strict=True):
         spec, part = specs.get(key), lengths[start : start + stride]
         start += stride
-        limit = None if spec is None else spec.max_ids  # an unknown key is named later
-        if limit is None or not part.numel() or int(part.max()) <= limit:
+        if spec is None or not part.numel():  # an unknown key is named later
+            continue
+        if spec.min_ids and int(part.min()) < spec.min_ids:
+            sample = int(torch.nonzero(part < spec.min_ids)[0])
+            raise BatchValidationError(
+                f"feature {key!r} (table {spec.table!r}) has {int(part[sample])} ids in "
+                f"sample {sample}, fewer than the {spec.min_ids} the model reads per sample "
+                f"(min_ids_per_sample); {int((part < spec.min_ids).sum())} sample(s) of this "
+                "batch are under it. Drop such samples in the dataset, or give each one."
+            )
+        limit = spec.max_ids
+        if limit is None or int(part.max()) <= limit:
             continue
         sample = int(torch.nonzero(part > limit)[0])
         raise BatchValidationError(
-            f"feature {key!r} (table {specs[key].table!r}) has {int(part[sample])} ids in "
+            f"feature {key!r} (table {spec.table!r}) has {int(part[sample])} ids in "
             f"sample {sample}, more than the {limit} the model reads per sample "
             f"(max_ids_per_sample); {int((part > limit).sum())} sample(s) of this batch are "
             "over it. Truncate them in the dataset (e.g. keep a history's last items), or "

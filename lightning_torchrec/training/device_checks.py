@@ -36,8 +36,18 @@ from lightning_torchrec.training.batch_checks import (
 )
 
 #: The flags one batch reduces to: ids out of range, lengths not matching the ids, negative
-#: lengths, non-finite dense features, labels or weights, samples over a feature's ``max_ids``.
-FLAGS = ("ids", "lengths", "negative_lengths", "dense", "labels", "weights", "too_long")
+#: lengths, non-finite dense features, labels or weights, samples over a feature's ``max_ids``
+#: and under its ``min_ids``.
+FLAGS = (
+    "ids",
+    "lengths",
+    "negative_lengths",
+    "dense",
+    "labels",
+    "weights",
+    "too_long",
+    "too_short",
+)
 
 
 def _structure(batch: Any, specs: Mapping[str, FeatureSpec]) -> str | None:
@@ -94,6 +104,9 @@ def device_flags(batch: Any, specs: Mapping[str, FeatureSpec]) -> torch.Tensor:
             most = torch.tensor([-1 if m is None else m for m in limits], device=device)
             most = most.repeat_interleave(stride)
             flags[FLAGS.index("too_long")] += ((lengths > most) & (most >= 0)).sum()
+        if any(specs[k].min_ids for k in keys):
+            least = torch.tensor([specs[k].min_ids for k in keys], device=device)
+            flags[FLAGS.index("too_short")] += (lengths < least.repeat_interleave(stride)).sum()
         if values.numel():
             # Each id's bag by its position against the bags' ends: no host read, and robust
             # to lengths that do not match the ids (flagged above).
