@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
+from torch.utils.data import DataLoader
 from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingCollection
@@ -24,7 +25,7 @@ from torchrec.modules.mc_modules import (
     ManagedCollisionCollection,
     MCHManagedCollisionModule,
 )
-from torchrec.sparse.jagged_tensor import JaggedTensor
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from lightning_torchrec import EmbeddingNormCallback, WeightNormCallback
 from lightning_torchrec.checkpoint.mc_layout import (
@@ -33,7 +34,12 @@ from lightning_torchrec.checkpoint.mc_layout import (
     saved_row_ranges,
 )
 from lightning_torchrec.compat.upstream import managed_collision_table
-from lightning_torchrec.errors import CheckpointMismatchError, ManagedCollisionLayoutError
+from lightning_torchrec.data.batch import Batch
+from lightning_torchrec.errors import (
+    BatchValidationError,
+    CheckpointMismatchError,
+    ManagedCollisionLayoutError,
+)
 from lightning_torchrec.lightning.mc_callbacks import ManagedCollisionStatsCallback
 from lightning_torchrec.sharding.sharders import (
     DeviceAwareMCEBCSharder,
@@ -46,6 +52,8 @@ from lightning_torchrec.sharding.tables import (
     module_table_configs,
     table_of_key,
 )
+from lightning_torchrec.training.batch_checks import check_batch
+from lightning_torchrec.training.device_checks import DeferredVerdict
 from lightning_torchrec.training.mc_stats import ManagedCollisionCounts
 from tests.scripts.factory import Capture, cpu_trainer
 from tests.scripts.mc_model import data as mc_data
@@ -92,6 +100,45 @@ def test_plan_checks_see_the_tables_inside_a_managed_collision_collection() -> N
 def test_raw_ids_are_bounded_by_the_collision_module_not_the_rows() -> None:
     spec = feature_specs(mc_model())["f0"]
     assert (spec.table, spec.num_embeddings) == ("t0", RAW_BOUND)
+
+
+def _raw_batches(dtype: torch.dtype) -> list[Batch]:
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.full((16,), 2, dtype=torch.int32)
+    return [
+        Batch(
+            torch.randn(8, 13, generator=gen),
+            KeyedJaggedTensor(
+                keys=["cat_0", "cat_1"],
+                values=torch.randint(0, 2**31 - 1, (32,), generator=gen).to(dtype),
+                lengths=lengths,
+            ),
+            torch.randint(0, 2, (8,), generator=gen).float(),
+        )
+        for _ in range(3)
+    ]
+
+
+def test_int32_raw_ids_are_refused_by_name_before_torchrec_remaps_them() -> None:
+    # They failed inside TorchRec's remapping with a bare dtype RuntimeError, mid-step.
+    specs = feature_specs(mc_model())
+    assert specs["f0"].managed
+    kjt = KeyedJaggedTensor(keys=["f0"], values=torch.tensor([5, 7]), lengths=torch.tensor([1, 1]))
+    assert check_batch(kjt, specs, None, "rank 0, step 0") is None
+    narrow = KeyedJaggedTensor(keys=["f0"], values=kjt.values().int(), lengths=kjt.lengths())
+    found = check_batch(narrow, specs, None, "rank 1, step 4")
+    assert isinstance(found, BatchValidationError)
+    assert str(found).startswith("rank 1, step 4: sparse feature(s) ['f0'] hold ids of dtype ")
+    assert "managed-collision table(s) ['t0']" in str(found)
+    deferred = DeferredVerdict(specs, None)
+    deferred.submit(narrow, "rank 1, step 4")
+    assert str(deferred.verdict()) == str(found)
+    trainer = cpu_trainer(mc_strategy(), max_steps=3, limit_val_batches=0)
+    with pytest.raises(BatchValidationError, match=r"rank 0, step 0: .*dtype torch.int32"):
+        trainer.fit(mc_module(), DataLoader(_raw_batches(torch.int32), batch_size=None))
+    trainer = cpu_trainer(mc_strategy(), max_steps=3, limit_val_batches=0)
+    trainer.fit(mc_module(), DataLoader(_raw_batches(torch.int64), batch_size=None))
+    assert trainer.global_step == 3
 
 
 def test_counts_follow_admissions_and_evictions() -> None:

@@ -201,6 +201,8 @@ class FeatureSpec:
             history).
         min_ids: the fewest ids one sample must hold (0: none), as a module declares it in a
             ``min_ids_per_sample`` mapping (e.g. a sequence model's one target per sample).
+        managed: a managed-collision table reads it: TorchRec remaps its raw ids into
+            ``torch.int64`` rows, so its ids must be ``torch.int64``.
     """
 
     feature: str
@@ -209,6 +211,7 @@ class FeatureSpec:
     weighted: bool = False
     max_ids: int | None = None
     min_ids: int = 0
+    managed: bool = False
 
 
 def managed_input_sizes(model: nn.Module) -> dict[str, int]:
@@ -250,11 +253,16 @@ def feature_specs(model: nn.Module) -> dict[str, FeatureSpec]:
             rows = raw.get(cfg.name, cfg.num_embeddings)
             for feature in cfg.feature_names:
                 old = specs.get(feature)
+                managed = cfg.name in raw or bool(old and old.managed)
                 if old is None or rows < old.num_embeddings:
                     weighted = weighted or bool(old and old.weighted)
-                    specs[feature] = FeatureSpec(feature, cfg.name, rows, weighted)
-                elif weighted:
-                    specs[feature] = dataclasses.replace(old, weighted=True)
+                    specs[feature] = FeatureSpec(
+                        feature, cfg.name, rows, weighted, None, 0, managed
+                    )
+                elif weighted or managed:
+                    specs[feature] = dataclasses.replace(
+                        old, weighted=weighted or old.weighted, managed=managed
+                    )
     for module in inner.modules():
         declared = getattr(module, "max_ids_per_sample", None)
         for feature, limit in (declared if isinstance(declared, Mapping) else {}).items():

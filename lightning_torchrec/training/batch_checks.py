@@ -87,6 +87,9 @@ def _check_kjt(kjt: Any, specs: Mapping[str, FeatureSpec]) -> None:
             f"sparse features {keys} hold ids of dtype {values.dtype}; ids must be "
             "torch.int64 or torch.int32. Convert them in the dataset, not by casting floats."
         )
+    managed = [k for k in keys if k in specs and specs[k].managed]
+    if managed and values.dtype != torch.int64:
+        raise BatchValidationError(int64_message(managed, specs, values.dtype))
     if len(set(keys)) != len(keys):
         twice = sorted({k for k in keys if keys.count(k) > 1})
         raise BatchValidationError(f"sparse feature(s) {twice} appear twice in {keys}")
@@ -139,6 +142,25 @@ def _check_kjt(kjt: Any, specs: Mapping[str, FeatureSpec]) -> None:
     pos = int(torch.nonzero(bad)[0])
     raise BatchValidationError(
         out_of_range_message(kjt, specs, pos, int(values[pos]), int(bad.sum()))
+    )
+
+
+def int64_message(keys: list[str], specs: Mapping[str, FeatureSpec], dtype: torch.dtype) -> str:
+    """Names the features of managed-collision tables whose ids are not ``torch.int64``.
+
+    Args:
+        keys: those features.
+        specs: what each sparse feature may hold.
+        dtype: the ids' dtype.
+
+    Returns:
+        The message.
+    """
+    tables = sorted({specs[k].table for k in keys})
+    return (
+        f"sparse feature(s) {keys} hold ids of dtype {dtype}, but managed-collision table(s) "
+        f"{tables} read them, and TorchRec remaps raw ids into torch.int64 rows only: give "
+        "these features torch.int64 ids in the dataset."
     )
 
 

@@ -65,6 +65,8 @@ def _structure(batch: Any, specs: Mapping[str, FeatureSpec]) -> str | None:
         weighted = [k for k in kjt.keys() if specs[k].weighted]
         if weighted and kjt.weights_or_none() is None:
             return "a weighted table's feature without weights"
+        if values.dtype != torch.int64 and any(specs[k].managed for k in kjt.keys()):
+            return "a managed-collision table's feature without int64 ids"
     return None
 
 
