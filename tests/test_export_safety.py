@@ -6,6 +6,7 @@ The artifacts come from a small two-table model saved in this process (a few sec
 annotations of the model's ``forward`` (docs/export.md).
 """
 
+import dataclasses
 import io
 import json
 import os
@@ -25,9 +26,11 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from lightning_torchrec.checkpoint import save_sharded
 from lightning_torchrec.errors import (
     CheckpointCorruptError,
+    CheckpointLimitError,
     IdOutOfRangeError,
     UnsafeCheckpointError,
 )
+from lightning_torchrec.export import archive
 from lightning_torchrec.export.archive import check_pt2
 from lightning_torchrec.export.artifact import export, load_artifact
 
@@ -305,6 +308,22 @@ def test_duplicate_entries_are_refused(artifact: Path, tmp_path: Path) -> None:
         _rewrite(artifact, bad, lambda name, data: data, [("ROOT/models/model.json", b"{}")])
     with pytest.raises(UnsafeCheckpointError, match="more than once"):
         check_pt2(bad)
+
+
+def test_oversized_or_deeply_nested_descriptions_are_refused_by_name(
+    artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # JSON entries were read whole, whatever size they declared; a deep nesting escaped as a
+    # bare RecursionError.
+    nested = tmp_path / "nested.pt2"
+    deep = b"[" * 200_000 + b"]" * 200_000
+    _rewrite(artifact, nested, lambda name, data: deep if name == "models/model.json" else data)
+    with pytest.raises(CheckpointCorruptError, match=r"entry '.*models/model.json' is not JSON"):
+        check_pt2(nested)
+    small = dataclasses.replace(archive.DEFAULT_LIMITS, max_metadata_bytes=1000)
+    monkeypatch.setattr(archive, "DEFAULT_LIMITS", small)
+    with pytest.raises(CheckpointLimitError, match=r"\.json' holds \d+ bytes, over the 1000"):
+        check_pt2(artifact)
 
 
 def test_untampered_artifact_passes_the_check(artifact: Path) -> None:

@@ -50,7 +50,12 @@ from typing import IO, Any
 
 import torch
 
-from lightning_torchrec.errors import CheckpointCorruptError, UnsafeCheckpointError
+from lightning_torchrec.checkpoint.limits import DEFAULT_LIMITS
+from lightning_torchrec.errors import (
+    CheckpointCorruptError,
+    CheckpointLimitError,
+    UnsafeCheckpointError,
+)
 
 _NAME = r"[A-Za-z0-9][A-Za-z0-9_]*"
 #: The entries ``torch.export.save`` writes for a program of tensors (below the archive's root).
@@ -197,10 +202,22 @@ def _check_payloads(path: Path, entry: str, config: Any, folder: str, names: set
             raise _unsafe(path, entry, f"has no raw tensor for {fqn!r}")
 
 
+def _read(path: Path, archive: zipfile.ZipFile, name: str, cap: int) -> bytes:
+    """An entry's bytes, refused before reading when it says it is larger than ``cap``."""
+    size = archive.getinfo(name).file_size  # zipfile reads no more than this
+    if size > cap:
+        raise CheckpointLimitError(
+            f"{path}: entry {name!r} holds {size} bytes, over the {cap} an artifact's "
+            "description may take; this is not what torch.export.save writes for this package"
+        )
+    return archive.read(name)
+
+
 def _read_json(path: Path, archive: zipfile.ZipFile, name: str) -> Any:
+    data = _read(path, archive, name, DEFAULT_LIMITS.max_metadata_bytes)
     try:
-        return json.loads(archive.read(name))
-    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+        return json.loads(data)
+    except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError, nesting
         raise CheckpointCorruptError(f"{path}: entry {name!r} is not JSON: {err}") from err
 
 
@@ -214,6 +231,8 @@ def check_pt2(path: str | Path, file: IO[bytes] | None = None) -> None:
     Raises:
         UnsafeCheckpointError: naming the file and the entry that could run code.
         CheckpointCorruptError: if the file is not a readable zip archive.
+        CheckpointLimitError: if a description entry (JSON, example inputs) is larger than
+            :data:`~lightning_torchrec.checkpoint.limits.DEFAULT_LIMITS` allows.
     """
     path = Path(path)
     try:
@@ -248,7 +267,8 @@ def _check_archive(path: Path, archive: zipfile.ZipFile) -> None:
                 _check_payloads(path, entry, config, folder, names)
         entry = f"data/sample_inputs/{model}.pt"
         if entry in names:
-            _check_sample_inputs(path, entry, archive.read(f"{root}/{entry}"))
+            data = _read(path, archive, f"{root}/{entry}", DEFAULT_LIMITS.max_torch_file_bytes)
+            _check_sample_inputs(path, entry, data)
         entry = f"models/{model}.json"
         _check_program(path, entry, _read_json(path, archive, f"{root}/{entry}"))
 
@@ -274,6 +294,7 @@ def load_pt2(path: str | Path) -> Any:
     Raises:
         UnsafeCheckpointError: naming the file and the entry that could run code.
         CheckpointCorruptError: if the file cannot be read as an exported program.
+        CheckpointLimitError: if a description entry is larger than the limits allow.
     """
     path = Path(path)
     with open(path, "rb") as file:
