@@ -15,7 +15,7 @@ A *layer* is a subpackage (``sharding``, ``training``, ...) or a top-level modul
    ``data``'s data modules may subclass ``lightning.pytorch.LightningDataModule`` (their loaders
    serve a Fabric loop as well). The core may use ``lightning.fabric``.
 4. Private names of torch, TorchRec, fbgemm and Lightning appear only in ``compat``; Lightning's
-   only in ``compat.lightning``, which only the glue imports.
+   only in ``compat.lightning`` and ``compat.lightning_callbacks``, which only the glue imports.
 5. No module imports another module's private (``_``) name; every import is at module level.
 """
 
@@ -134,7 +134,7 @@ LAYERS: tuple[Layer, ...] = (
 #: Top-level modules of the application layer (the other layers are named by their module).
 APP_MODULES = ("__init__", "architecture", "consolidate", "demo", "demo_fabric", "demo_seq")
 
-#: The only layers that may import ``compat.lightning`` (Lightning's private names).
+#: The only layers that may import ``compat.lightning*`` (Lightning's private names).
 LIGHTNING_PRIVATE_USERS = ("lightning", "app")
 
 

@@ -39,6 +39,16 @@ def test_plan_mixes_sharding_types(run: Path) -> None:
     assert plan["t_cat_3"][0] == "data_parallel"
 
 
+def test_the_model_summary_counts_every_table_whole_on_every_rank(run: Path) -> None:
+    # It counted each rank's own shards: a table-wise table on the other rank as 0.
+    for name in ("expected.pt", "expected.rank1.pt"):
+        saved = torch.load(run / name, weights_only=False)
+        summary, unsharded = saved["summary"], saved["unsharded"]
+        assert summary["total"] == unsharded[""]
+        layers = [k for k in summary if k != "total"]
+        assert layers and all(summary[k] == unsharded[k] for k in layers), name
+
+
 def test_tensorboard_scalars_equal_exact_norms_of_the_full_tables(run: Path) -> None:
     saved = torch.load(run / "expected.pt", weights_only=False)
     scalars = _tensorboard_scalars(run)

@@ -66,9 +66,15 @@ def _layer_violations(module: str, imports: set[str]) -> list[str]:
     allowed = {own, *LAYER[own].may_import}
     bad = [f"{module} ({own}) imports {m} ({layer_of(m)})" for m in imports]
     bad = [b for b, m in zip(bad, imports, strict=True) if layer_of(m) not in allowed]
-    if own not in LIGHTNING_PRIVATE_USERS and "compat.lightning" in imports:
-        bad.append(f"{module} ({own}) imports compat.lightning, which is for the glue only")
+    lightning_compat = sorted(m for m in imports if _lightning_compat(m))
+    if own not in LIGHTNING_PRIVATE_USERS and lightning_compat:
+        bad.append(f"{module} ({own}) imports {lightning_compat}, which are for the glue only")
     return bad
+
+
+def _lightning_compat(module: str) -> bool:
+    """``compat.lightning`` and its siblings ``compat.lightning_*``: Lightning's private names."""
+    return module == "compat.lightning" or module.startswith("compat.lightning_")
 
 
 def _trainer_imports(tree: ast.AST) -> list[str]:
@@ -190,6 +196,7 @@ def test_layer_rule_can_fail() -> None:
     assert _layer_violations("sharding.planning", {"lightning.strategy"})
     assert _layer_violations("training.optim", {"compat.lightning"})
     assert _layer_violations("lightning.strategy", {"compat.lightning"}) == []
+    assert _layer_violations("training.optim", {"compat.lightning_callbacks"})
 
 
 def test_no_import_cycles() -> None:
@@ -203,7 +210,7 @@ def test_only_the_glue_imports_the_trainer(module: str) -> None:
     found = _trainer_imports(TREES[module])
     if layer.name == "data":  # data modules subclass LightningDataModule, nothing else
         found = [n for n in found if n != "lightning.pytorch.LightningDataModule"]
-    elif layer.trainer or module == "compat.lightning":  # compat.lightning: for the glue only
+    elif layer.trainer or _lightning_compat(module):  # compat.lightning*: for the glue only
         found = []
     assert found == [], f"{module} is core and imports the Trainer: {found}"
 
@@ -235,7 +242,12 @@ def test_upstream_private_names_only_in_compat(module: str) -> None:
 
 
 def test_compat_holds_the_private_names_it_documents() -> None:
-    for module in ("compat.upstream", "compat.lightning", "compat.pipelines"):
+    for module in (
+        "compat.upstream",
+        "compat.lightning",
+        "compat.lightning_callbacks",
+        "compat.pipelines",
+    ):
         assert len(_upstream_private_uses(TREES[module])) >= 1, module
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import BaseFinetuning, StochasticWeightAveraging
+from lightning.pytorch.callbacks import BaseFinetuning, ModelPruning, StochasticWeightAveraging
 from lightning.pytorch.plugins.precision import (
     DoublePrecision,
     HalfPrecision,
@@ -298,3 +298,21 @@ def test_base_finetuning_with_fused_tables_is_refused_naming_it(tmp_path) -> Non
     trainer = cpu_trainer(max_steps=2, callbacks=[FreezeDense()], default_root_dir=tmp_path)
     with pytest.raises(ValueError, match="FreezeDense \\(a BaseFinetuning\\) records the"):
         trainer.fit(tiny_dlrm(), datamodule=tiny_data(200, 2, batch_size=16, train_batches=4))
+
+
+def test_model_pruning_of_tables_is_refused_naming_them_and_dense_pruning_trains(tmp_path) -> None:
+    # The default targets every weight: it trained a whole epoch, then failed on meta tensors.
+    data = tiny_data(200, 2, batch_size=16, train_batches=4)
+    pruning = ModelPruning("l1_unstructured", amount=0.5)
+    trainer = cpu_trainer(max_epochs=1, callbacks=[pruning], default_root_dir=tmp_path)
+    tables = rf"'{EBC}.embedding_bags.t_cat_0.weight', '{EBC}.embedding_bags.t_cat_1.weight'"
+    with pytest.raises(
+        ValueError, match=rf"ModelPruning would prune embedding-table .*\[{tables}\]"
+    ):
+        trainer.fit(tiny_dlrm(), datamodule=data)
+    model = tiny_dlrm()
+    layer = model.model_and_loss.model.over_arch.model[-1]
+    pruning = ModelPruning("l1_unstructured", parameters_to_prune=[(layer, "weight")], amount=0.5)
+    trainer = cpu_trainer(max_epochs=1, callbacks=[pruning], default_root_dir=tmp_path)
+    trainer.fit(model, datamodule=data)
+    assert int((layer.weight == 0).sum()) >= layer.weight.numel() // 2

@@ -29,7 +29,6 @@ from typing_extensions import override
 from lightning_torchrec.compat.lightning import (
     ResultsOnlyLaunching,
     layer_sync,
-    lighter_defaults,
     model_kept_in_place,
     process_group_backend,
 )
@@ -39,9 +38,10 @@ from lightning_torchrec.lightning.data_hooks import DataHooks
 from lightning_torchrec.lightning.preemption import add_slurm_requeue
 from lightning_torchrec.lightning.step_hooks import StepHooks, take_over_step_votes, votes_ahead
 from lightning_torchrec.lightning.trainer_setup import (
+    adapt_trainer_defaults,
     batch_hooks,
     check_fit,
-    check_precision,
+    check_setup,
     check_sync_batchnorm,
     log_plan,
     pipeline_for,
@@ -284,13 +284,13 @@ class TorchRecStrategy(
 
     @override
     def setup(self, trainer: L.Trainer) -> None:
-        check_precision(self.precision_plugin)
+        check_setup(trainer, self.precision_plugin)
         self._resume_position = None  # set again when this run loads a checkpoint
         # Strategy.setup's template (not DDP's): `_setup_model` shards, optimizers follow.
         super(DDPStrategy, self).setup(trainer)
         # Lightning's SLURM requeue saves inside its signal handler; save between steps instead.
         add_slurm_requeue(trainer, self.cluster_environment)
-        self._undo_bar = lighter_defaults(trainer)  # no bar refresh nor profiler work per step
+        self._undo_bar = adapt_trainer_defaults(trainer)  # tables counted whole; no bar work
 
     @override
     def model_to_device(self) -> None:

@@ -7,7 +7,7 @@ about) by name, before the first step; the sharding plan is printed and written 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +18,16 @@ from lightning.pytorch.callbacks import (
     StochasticWeightAveraging,
 )
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_torchrec.compat.lightning import lighter_defaults
+from lightning_torchrec.compat.lightning_callbacks import pruning_targets, summarize_with
+from lightning_torchrec.lightning.summary import WholeTableSummary
 from lightning_torchrec.sharding.plan_summary import PlanSummary
 from lightning_torchrec.sharding.sharders import has_fused_tables
+from lightning_torchrec.sharding.tables import configs_of
 from lightning_torchrec.training.pipelines import PipelineConfig, resolve_pipeline
 
 log = logging.getLogger(__name__)
@@ -128,6 +133,76 @@ def check_accumulation(factor: int, source: str, fused: bool, allowed: bool, pip
             "TorchRecStrategy(allow_fused_gradient_accumulation=True) to accumulate only the "
             "dense gradients."
         )
+
+
+def check_setup(trainer: Any, precision_plugin: Any) -> None:
+    """The checks made before sharding: the precision and, for a fit, what is pruned.
+
+    See :func:`check_precision` and :func:`check_pruning`.
+
+    Args:
+        trainer: the Trainer being set up.
+        precision_plugin: its precision plugin.
+
+    Raises:
+        ValueError: see those functions.
+    """
+    check_precision(precision_plugin)
+    if trainer.state.fn == TrainerFn.FITTING:
+        check_pruning(trainer)
+
+
+def check_pruning(trainer: Any) -> None:
+    """Refuses a ``ModelPruning`` callback that would prune embedding tables.
+
+    Sharding replaces the tables' modules with TorchRec kernels that keep their own storage:
+    the callback would hold the unsharded modules (on the meta device) and fail after the first
+    epoch. Pruning dense modules is left to it.
+
+    Args:
+        trainer: the Trainer, after its callbacks' ``setup`` and before sharding.
+
+    Raises:
+        ValueError: naming the table parameters it targets.
+    """
+    module = trainer.lightning_module
+    paths = {id(m): p for p, m in module.named_modules()}
+    tables = [p for p, m in module.named_modules() if configs_of(m) is not None]
+    found = []
+    for target, name in pruning_targets(trainer):
+        path = paths.get(id(target))
+        if path is not None and any(not t or path == t or path.startswith(f"{t}.") for t in tables):
+            found.append(f"{path}.{name}" if path else name)
+    if found:
+        raise ValueError(
+            f"ModelPruning would prune embedding-table parameters {found}: sharding replaces "
+            "those modules with TorchRec's kernels, which keep their own storage, so pruning "
+            "cannot reach them. Pass ModelPruning(parameters_to_prune=[(module, 'weight'), ...]) "
+            "naming dense modules only."
+        )
+
+
+def adapt_trainer_defaults(trainer: Any) -> Callable[[], None]:
+    """Lightning's defaults made light and right for a sharded model.
+
+    :func:`~lightning_torchrec.compat.lightning.lighter_defaults` (no progress-bar or profiler
+    work per step), and the Trainer's model summary counting each sharded table whole
+    (:class:`~lightning_torchrec.lightning.summary.WholeTableSummary`).
+
+    Args:
+        trainer: the Trainer being set up.
+
+    Returns:
+        A function that undoes both (call it in teardown).
+    """
+    undo_defaults = lighter_defaults(trainer)
+    undo_summary = summarize_with(trainer, lambda m, depth: WholeTableSummary(m, max_depth=depth))
+
+    def undo() -> None:
+        undo_defaults()
+        undo_summary()
+
+    return undo
 
 
 def check_precision(precision_plugin: Any) -> None:
