@@ -153,6 +153,42 @@ def test_a_scheduler_on_the_dense_optimizer_alone_is_warned_about(
     assert not [w for w in recwarn if "drives the dense optimizer" in str(w.message)]
 
 
+def test_momentum_cycling_schedulers_and_monitors_see_the_dense_settings(
+    sharded: nn.Module, recwarn: pytest.WarningsRecorder
+) -> None:
+    # The combined optimizer showed TorchRec's defaults ({'_save_param_groups': False}) and
+    # fused groups of 'lr' alone: OneCycleLR/CyclicLR refused it, LearningRateMonitor's
+    # weight decay raised KeyError and its momentum read 0 for Adam.
+    dense = torch.optim.Adam(dense_parameters(sharded), lr=0.1, weight_decay=0.01)
+    opt = combine_optimizers(dense, sharded)
+    assert isinstance(opt, DenseAndFusedOptimizer)
+    assert opt.defaults["betas"] == (0.9, 0.999) and opt.defaults["weight_decay"] == 0.01
+    assert not opt.defaults["_save_param_groups"]
+    (kernel,) = fused_kernels(opt)
+    fused = opt.param_groups[-1]
+    args = kernel.optimizer_args  # the kernel's own values, not the dense optimizer's
+    assert fused["weight_decay"] == args.weight_decay and fused["eps"] == pytest.approx(args.eps)
+    assert fused["betas"] == (pytest.approx(args.beta1), pytest.approx(args.beta2))
+    assert "momentum" not in fused  # Adam has none: only the dense optimizer's keys are added
+    assert opt.off_kernel_values() == []
+    recwarn.clear()
+    torch.optim.lr_scheduler.StepLR(opt, 1)
+    combine_with_schedulers(opt, sharded, [])
+    assert not [w for w in recwarn if "sets" in str(w.message)]
+    cycle = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.5, total_steps=10)
+    assert [g["betas"][0] for g in opt.param_groups] == [0.95, 0.95]
+    with pytest.warns(UserWarning, match=r"sets \['betas'\] of the fused embedding param groups"):
+        combine_with_schedulers(opt, sharded, [cycle])
+    cycle.step()
+    opt.push_fused_lr()
+    assert kernel_learning_rate(kernel) == pytest.approx(fused["lr"])  # the lr still reaches it
+    sgd = combine_optimizers(
+        torch.optim.SGD(dense_parameters(sharded), lr=0.1, momentum=0.9), sharded
+    )
+    assert sgd.param_groups[-1]["momentum"] == kernel.optimizer_args.momentum
+    torch.optim.lr_scheduler.CyclicLR(sgd, 0.01, 0.1)  # cycles momentum: was refused
+
+
 def test_init_optimizer_state_materialises_adam_state() -> None:
     model = nn.Linear(3, 4)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}

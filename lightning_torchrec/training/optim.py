@@ -22,6 +22,10 @@ from lightning_torchrec.compat.upstream import fused_kernels, kernel_step, set_k
 
 DENSE_KEY = "dense"
 FUSED_KEY = "embedding"
+#: What LR schedulers and ``LearningRateMonitor`` read from every param group besides ``lr``
+#: (``OneCycleLR``/``CyclicLR`` cycle ``momentum`` or ``betas``): a fused group carries its
+#: kernel's values of those the dense optimizer has.
+KERNEL_VALUES = ("momentum", "betas", "weight_decay", "eps")
 
 
 def is_fused_parameter(param: torch.Tensor) -> bool:
@@ -112,6 +116,13 @@ class DenseAndFusedOptimizer(CombinedOptimizer):
             optims.append((FUSED_KEY, CombinedOptimizer(fused)))
         super().__init__(optims)
         self._dense_optimizer = dense_optimizer or dense
+        # Schedulers read the defaults (e.g. OneCycleLR asks for momentum or betas there).
+        self.defaults = {**self._dense_optimizer.defaults, **self.defaults}
+        for group, kernel in self.fused_groups():
+            values = kernel_values(kernel)
+            for key in KERNEL_VALUES:
+                if key in self.defaults and key in values:
+                    group.setdefault(key, values[key])
 
     @property
     def dense(self) -> KeyedOptimizer:
@@ -128,6 +139,29 @@ class DenseAndFusedOptimizer(CombinedOptimizer):
         """The torch optimizer the user built for the dense parameters."""
         return self._dense_optimizer
 
+    def fused_groups(self) -> list[tuple[dict[str, Any], Any]]:
+        """Each fused param group with the embedding kernel it drives.
+
+        Returns:
+            ``(param group, fbgemm TBE)`` pairs, in ``param_groups`` order.
+        """
+        return _fused_groups(self.fused) if self.fused is not None else []
+
+    def off_kernel_values(self) -> list[str]:
+        """The values of fused groups (besides ``lr``) that differ from their kernel's.
+
+        A scheduler may set them (``OneCycleLR`` cycles ``betas``), but TorchRec passes only
+        the learning rate on to the kernels.
+
+        Returns:
+            The keys, sorted.
+        """
+        found = set()
+        for group, kernel in self.fused_groups():
+            values = kernel_values(kernel)
+            found.update(k for k in KERNEL_VALUES if k in group and group[k] != values.get(k))
+        return sorted(found)
+
     def push_fused_lr(self) -> None:
         """Writes each fused group's current ``lr`` into its embedding kernel.
 
@@ -137,6 +171,34 @@ class DenseAndFusedOptimizer(CombinedOptimizer):
         """
         if self.fused is not None:
             self.fused.zero_grad()
+
+
+def kernel_values(kernel: Any) -> dict[str, Any]:
+    """An fbgemm TBE's own :data:`KERNEL_VALUES` (fixed when TorchRec built it).
+
+    Args:
+        kernel: the TBE.
+
+    Returns:
+        ``{"momentum", "betas", "weight_decay", "eps"}``; empty for a kernel without
+        ``optimizer_args``.
+    """
+    args = getattr(kernel, "optimizer_args", None)
+    if args is None:
+        return {}
+    return {
+        "momentum": float(args.momentum),
+        "betas": (float(args.beta1), float(args.beta2)),
+        "weight_decay": float(args.weight_decay),
+        "eps": float(args.eps),
+    }
+
+
+def _fused_groups(optimizer: Any) -> list[tuple[dict[str, Any], Any]]:
+    if isinstance(optimizer, CombinedOptimizer):
+        return [pair for _, inner in optimizer.optimizers for pair in _fused_groups(inner)]
+    kernels = fused_kernels(optimizer)
+    return [(group, kernels[0]) for group in optimizer.param_groups] if kernels else []
 
 
 def combine_optimizers(
@@ -233,6 +295,14 @@ def combine_with_schedulers(
             "The LR scheduler from `configure_optimizers` drives the dense optimizer only; the "
             "fused embedding learning rate stays constant. Build the scheduler on "
             "`lightning_torchrec.combine_optimizers(dense_optimizer, self)` to schedule both."
+        )
+    off = combined.off_kernel_values() if isinstance(combined, DenseAndFusedOptimizer) else []
+    if off:
+        rank_zero_warn(
+            f"The LR scheduler from `configure_optimizers` sets {off} of the fused embedding "
+            "param groups, but TorchRec passes only the learning rate on to the embedding "
+            "kernels: the tables keep the values they were built with (set them with "
+            "`TorchRecStrategy(fused_params=...)`). The dense optimizer follows the schedule."
         )
     return combined
 
