@@ -11,7 +11,7 @@ from typing import Any
 
 from lightning.pytorch.callbacks import ModelPruning, ModelSummary
 
-_LIGHTNINGS = ModelSummary._summary
+_LIGHTNINGS_SUMMARY = ModelSummary._summary
 
 
 def summarize_with(trainer: Any, summary: Callable[[Any, int], Any]) -> Callable[[], None]:
@@ -29,14 +29,20 @@ def summarize_with(trainer: Any, summary: Callable[[Any, int], Any]) -> Callable
     Returns:
         A function that restores the callbacks' own summary (call it in teardown).
     """
-    changed = []
-    for callback in trainer.callbacks:
-        own = isinstance(callback, ModelSummary) and type(callback)._summary is _LIGHTNINGS
-        if own:
-            depth = callback._max_depth
-            vars(callback)["_summary"] = lambda _, module, depth=depth: summary(module, depth)
-            changed.append(callback)
-    return lambda: [vars(c).pop("_summary", None) for c in changed] and None
+    changed = [
+        c
+        for c in trainer.callbacks
+        if isinstance(c, ModelSummary) and type(c)._summary is _LIGHTNINGS_SUMMARY
+    ]
+    for callback in changed:
+        depth = callback._max_depth
+        vars(callback)["_summary"] = lambda _, module, depth=depth: summary(module, depth)
+
+    def undo() -> None:
+        for callback in changed:
+            vars(callback).pop("_summary", None)
+
+    return undo
 
 
 def pruning_targets(trainer: Any) -> list[tuple[Any, str]]:
