@@ -40,6 +40,14 @@ class PeerFailureError(RuntimeError):
     """A collective failed because another rank died or stopped answering."""
 
 
+class MidStepCheckpointError(RuntimeError):
+    """A checkpoint was asked for between a training backward and its optimizer step.
+
+    The fused tables already hold the step's update (they update inside the backward) while
+    the dense weights do not, so it could not resume exactly; nothing is written.
+    """
+
+
 class Preempted(SystemExit):
     """Raised on every rank after the preemption checkpoint was written."""
 

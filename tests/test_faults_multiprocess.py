@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from lightning_torchrec import is_sharded_checkpoint
 from tests.helpers import ROOT, SCRIPTS, clean_env, load_ranks, run_script
@@ -96,6 +98,17 @@ def test_nan_weights_are_never_saved_and_the_previous_checkpoint_survives(phases
     assert is_sharded_checkpoint(phases / "ckpts" / ckpts[0])
 
 
+def test_an_exception_checkpoint_after_the_backward_is_refused_on_every_rank(
+    phases: Path,
+) -> None:
+    # It was written: the tables held step 3's update and the dense weights did not, and the
+    # resume trained step 3's batch into the tables twice.
+    for r in load_ranks(phases, "onexc_mid"):
+        assert r["error"] == "MidStepCheckpointError"
+        assert "refusing to save a checkpoint at global step 3" in r["message"]
+    assert not (phases / "onexc_mid").exists()
+
+
 def _launch(out: Path, mode: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(SCRIPTS / SCRIPT), str(out), mode],
@@ -126,3 +139,21 @@ def test_sigterm_on_rank1_saves_a_complete_checkpoint_and_the_run_resumes(
     for r in load_ranks(phases, "resume"):
         assert r["error"] is None
         assert r["steps"] == [7, 8]  # saved after step 6, continues from there
+
+
+def test_an_exception_checkpoint_of_one_failing_rank_ends_both_ranks_promptly(
+    tmp_path: Path,
+) -> None:
+    # Rank 1 waited in the save's broadcast, rank 0 in step 3's all-to-all: both hung until the
+    # collective timeout (30 minutes by default).
+    started = time.monotonic()
+    proc = _launch(tmp_path, "onexc_one")
+    assert proc.returncode != 0
+    assert time.monotonic() - started < 120
+    failed = torch.load(tmp_path / "onexc_one_final_rank1.pt", weights_only=False)
+    assert failed["error"] == "PeerFailureError"
+    assert (
+        "the checkpoint asked for while handling an exception was not written"
+        in (failed["message"])
+    )
+    assert not any((tmp_path / "onexc_one").glob("*"))  # nothing, not even a partial save

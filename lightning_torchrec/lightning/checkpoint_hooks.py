@@ -14,10 +14,12 @@ checkpoint deletes only this package's own (see :mod:`lightning_torchrec.checkpo
 from __future__ import annotations
 
 import warnings
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
@@ -30,7 +32,11 @@ from lightning_torchrec.checkpoint import (
 )
 from lightning_torchrec.checkpoint.hyper_params import scheduler_state
 from lightning_torchrec.checkpoint.limits import CheckpointLimits
-from lightning_torchrec.errors import NonFiniteCheckpointError
+from lightning_torchrec.errors import (
+    MidStepCheckpointError,
+    NonFiniteCheckpointError,
+    PeerFailureError,
+)
 from lightning_torchrec.lightning.mid_epoch import (
     POSITION_KEY,
     epoch_position,
@@ -39,6 +45,9 @@ from lightning_torchrec.lightning.mid_epoch import (
     saved_position,
 )
 from lightning_torchrec.training.optim import keyed_optimizer
+
+#: The longest a rank waits for the others at a save asked for while handling an exception.
+SAVE_MEETING = timedelta(minutes=1)
 
 
 def attached_trainer(module: Any) -> Any:
@@ -133,6 +142,11 @@ class ShardedCheckpointing:
     _collective: Any
     _runner: Any
     _resume_position: dict[str, int] | None = None
+    tables_ahead: bool
+    global_rank: int
+    world_size: int
+    peer_timeout: timedelta | None
+    _host_group: Any
 
     @property
     @override
@@ -161,10 +175,25 @@ class ShardedCheckpointing:
     ) -> None:
         if storage_options is not None:
             raise TypeError("TorchRecStrategy.save_checkpoint does not take storage_options")
+        trainer = attached_trainer(self.lightning_module)
+        interrupted = bool(getattr(trainer, "interrupted", False))
+        # Between micro-batches of an accumulation the dense gradients are dropped, as under
+        # DDP; a save there is Lightning's (a validation's) own.
+        accumulating = getattr(trainer, "accumulate_grad_batches", 1) > 1
+        if self.tables_ahead and (interrupted or not accumulating):
+            raise MidStepCheckpointError(
+                f"rank {self.global_rank}: refusing to save a checkpoint at global step "
+                f"{getattr(trainer, 'global_step', '?')}: the fused embedding tables already hold "
+                "this step's update (they update inside the backward pass) but the dense "
+                "optimizer has not stepped, so it would not resume exactly. Save between steps "
+                "(ModelCheckpoint, PreemptionCheckpoint); the last checkpoint written stays the "
+                "last good one."
+            )
+        if interrupted and self.world_size > 1:
+            self._meet_to_save()  # an exception's save: every rank must be there
         if self._runner is not None:  # a batch judged a step late never reaches a checkpoint
             self._runner.settle()
         # Rank 0's path and position within the epoch, for every rank (one broadcast).
-        trainer = attached_trainer(self.lightning_module)
         target, position = self._collective(
             self.broadcast, (str(filepath), epoch_position(trainer))
         )
@@ -190,6 +219,30 @@ class ShardedCheckpointing:
             if self._runner is not None:
                 self._runner.explain()  # its vote is decided after this step's checkpoint
             raise
+
+    def _meet_to_save(self) -> None:
+        """Waits, bounded, for every rank to reach a save asked for while handling an exception.
+
+        ``OnExceptionCheckpoint`` saves from the failing rank's exception handler; when another
+        rank did not fail, it is still in a step, waiting for this one, and would never join
+        the save's collectives (both ranks hung until the collective timeout). A monitored
+        barrier on the host group (gloo) says within ``peer_timeout`` (at most a minute)
+        whether every rank is here.
+
+        Raises:
+            PeerFailureError: if some rank did not come: nothing is written.
+        """
+        wait = min(self.peer_timeout or SAVE_MEETING, SAVE_MEETING)
+        group = self._host_group
+        try:
+            dist.monitored_barrier(group=group, timeout=wait, wait_all_ranks=True)
+        except RuntimeError as err:
+            raise PeerFailureError(
+                f"rank {self.global_rank}: the checkpoint asked for while handling an exception "
+                f"was not written: not every rank reached it within {wait} (a rank that did not "
+                "fail is still in a step, waiting for the failed one, or has stopped). The last "
+                f"checkpoint written stays the last good one. ({str(err).splitlines()[0][:200]})"
+            ) from err
 
     @override
     def load_checkpoint(

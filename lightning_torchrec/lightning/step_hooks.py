@@ -106,6 +106,11 @@ class StepHooks:
     _runner: StepRunner | None
     #: The Trainer's ``accumulate_grad_batches`` at the last training step (checked on change).
     _accumulating: int = 1
+    #: Between a training backward and the optimizer step: the fused tables hold the step's
+    #: update, the dense weights not yet (a checkpoint now would not resume exactly).
+    tables_ahead: bool = False
+    _fused_plan: Any = None  # the plan ``_fused`` was read from
+    _fused: bool = False  # it has fused tables
 
     def _push_fused_lr(self) -> None:
         for opt in self.optimizers:
@@ -188,6 +193,12 @@ class StepHooks:
     def backward(
         self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any
     ) -> Any:
+        # From here on the fused tables may hold this step's update (set before the backward:
+        # a user's on_after_backward runs inside it).
+        if self.lightning_module.trainer.training:
+            if self._fused_plan is not self._plan:
+                self._fused_plan, self._fused = self._plan, has_fused_tables(self._plan)
+            self.tables_ahead = self.tables_ahead or self._fused
         # The backward runs collectives too (sparse all-to-all, the DDP all-reduce).
         return self._collective(super().backward, closure_loss, optimizer, *args, **kwargs)
 
@@ -199,6 +210,17 @@ class StepHooks:
             return
         if self.lightning_module.trainer.training:
             runner.after_backward()  # semi-sync: the tables' update of this batch
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        done = super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
+        self.tables_ahead = False
+        return done
+
+    @override
+    def on_train_start(self) -> None:
+        self.tables_ahead = False  # a failed fit before this one may have left it set
+        super().on_train_start()  # type: ignore[misc]
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -27,7 +27,12 @@ import torch
 
 # sibling module (script directory)
 from factory import cpu_trainer, table_wise, tiny_data, tiny_dlrm
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import (
+    Callback,
+    Checkpoint,
+    ModelCheckpoint,
+    OnExceptionCheckpoint,
+)
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_torchrec import DLRMClickModule, TorchRecStrategy
@@ -49,6 +54,22 @@ class Faulty(DLRMClickModule):
         if self.global_rank == 1 and self.global_step == self.at and self.fault == "nan_loss":
             loss = loss * float("nan")
         return loss
+
+
+class Boom(RuntimeError):
+    """A user's error in a hook."""
+
+
+class RaiseAt(Callback):
+    """Raises :class:`Boom` at step ``at`` on the ``ranks``, in hook ``hook``."""
+
+    def __init__(self, hook: str, at: int, ranks: tuple[int, ...]) -> None:
+        self.at, self.ranks = at, ranks
+        setattr(self, hook, self._maybe_raise)
+
+    def _maybe_raise(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_rank in self.ranks and trainer.global_step == self.at:
+            raise Boom(f"rank {trainer.global_rank} fails at step {self.at}")
 
 
 class RankOneFault(Callback):
@@ -74,7 +95,7 @@ class RecordError(Callback):
         self.phase = phase
 
     def on_exception(self, trainer: L.Trainer, pl_module: Any, exception: BaseException) -> None:
-        if MODE == "kill":
+        if MODE in ("kill", "onexc_one"):
             result = {"error": type(exception).__name__, "message": str(exception)}
             torch.save(result, OUT / f"{self.phase}_rank{trainer.global_rank}.pt")
 
@@ -136,7 +157,7 @@ def run(
         max_steps=max_steps,
         limit_val_batches=0,
         default_root_dir=OUT,
-        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in extra or []),
+        enable_checkpointing=any(isinstance(c, Checkpoint) for c in extra or []),
         callbacks=[RankOneFault(fault, at), steps, RecordError(phase), *(extra or [])],
     )
     result: dict[str, Any] = {"error": None, "message": ""}
@@ -166,8 +187,9 @@ def run(
             trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
     except (Exception, SIGTERMException) as e:  # recorded for the parent's assertions
         result = {"error": type(e).__name__, "message": str(e)}
-        if MODE == "kill":
-            torch.save(result, OUT / f"{phase}_rank{trainer.global_rank}.pt")
+        if MODE in ("kill", "onexc_one"):
+            name = phase if MODE == "kill" else f"{phase}_final"  # onexc_one: after on_exception
+            torch.save(result, OUT / f"{name}_rank{trainer.global_rank}.pt")
             raise
     finally:
         torch.distributed.broadcast = broadcast
@@ -191,8 +213,17 @@ def main() -> None:
         run("sigterm_flag", "sigterm_flag", at=3)
         ckpt = ModelCheckpoint(dirpath=OUT / "ckpts", every_n_train_steps=2, save_top_k=-1)
         run("nan_ckpt", "", at=-1, extra=[NanTableBeforeSave(), ckpt])
+        # Both ranks fail after step 3's backward: the tables hold its update, the dense
+        # weights not.
+        saver = OnExceptionCheckpoint(OUT / "onexc_mid")
+        raise_ = RaiseAt("on_after_backward", 3, (0, 1))
+        run("onexc_mid", "", at=-1, extra=[raise_, saver])
     elif MODE == "kill":
         run("kill", "kill", at=3)
+    elif MODE == "onexc_one":  # only rank 1 fails; the others wait for it inside step 3
+        saver = OnExceptionCheckpoint(OUT / "onexc_one")
+        raise_ = RaiseAt("on_train_batch_start", 3, (1,))
+        run("onexc_one", "", at=-1, extra=[raise_, saver], peer_timeout=timedelta(seconds=5))
     elif MODE == "preempt":
         run(
             "preempt",
