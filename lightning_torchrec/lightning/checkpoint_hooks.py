@@ -44,6 +44,7 @@ from lightning_torchrec.lightning.mid_epoch import (
     rescale,
     saved_position,
 )
+from lightning_torchrec.sharding.sharders import has_fused_tables
 from lightning_torchrec.training.optim import keyed_optimizer
 
 #: The longest a rank waits for the others at a save asked for while handling an exception.
@@ -143,6 +144,7 @@ class ShardedCheckpointing:
     _runner: Any
     _resume_position: dict[str, int] | None = None
     tables_ahead: bool
+    _plan: Any
     global_rank: int
     world_size: int
     peer_timeout: timedelta | None
@@ -180,7 +182,8 @@ class ShardedCheckpointing:
         # Between micro-batches of an accumulation the dense gradients are dropped, as under
         # DDP; a save there is Lightning's (a validation's) own.
         accumulating = getattr(trainer, "accumulate_grad_batches", 1) > 1
-        if self.tables_ahead and (interrupted or not accumulating):
+        ahead = self.tables_ahead and (interrupted or not accumulating)
+        if ahead and has_fused_tables(self._plan):
             raise MidStepCheckpointError(
                 f"rank {self.global_rank}: refusing to save a checkpoint at global step "
                 f"{getattr(trainer, 'global_step', '?')}: the fused embedding tables already hold "

@@ -106,11 +106,9 @@ class StepHooks:
     _runner: StepRunner | None
     #: The Trainer's ``accumulate_grad_batches`` at the last training step (checked on change).
     _accumulating: int = 1
-    #: Between a training backward and the optimizer step: the fused tables hold the step's
+    #: Between a training backward and the optimizer step: fused tables hold the step's
     #: update, the dense weights not yet (a checkpoint now would not resume exactly).
     tables_ahead: bool = False
-    _fused_plan: Any = None  # the plan ``_fused`` was read from
-    _fused: bool = False  # it has fused tables
 
     def _push_fused_lr(self) -> None:
         for opt in self.optimizers:
@@ -193,12 +191,9 @@ class StepHooks:
     def backward(
         self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any
     ) -> Any:
-        # From here on the fused tables may hold this step's update (set before the backward:
-        # a user's on_after_backward runs inside it).
-        if self.lightning_module.trainer.training:
-            if self._fused_plan is not self._plan:
-                self._fused_plan, self._fused = self._plan, has_fused_tables(self._plan)
-            self.tables_ahead = self.tables_ahead or self._fused
+        # From here on fused tables may hold this step's update (set before the backward: a
+        # user's on_after_backward runs inside it); cleared by the optimizer step.
+        self.tables_ahead = True
         # The backward runs collectives too (sparse all-to-all, the DDP all-reduce).
         return self._collective(super().backward, closure_loss, optimizer, *args, **kwargs)
 

@@ -256,9 +256,7 @@ def feature_specs(model: nn.Module) -> dict[str, FeatureSpec]:
                 managed = cfg.name in raw or bool(old and old.managed)
                 if old is None or rows < old.num_embeddings:
                     weighted = weighted or bool(old and old.weighted)
-                    specs[feature] = FeatureSpec(
-                        feature, cfg.name, rows, weighted, None, 0, managed
-                    )
+                    specs[feature] = FeatureSpec(feature, cfg.name, rows, weighted, managed=managed)
                 elif weighted or managed:
                     specs[feature] = dataclasses.replace(
                         old, weighted=weighted or old.weighted, managed=managed

@@ -87,9 +87,10 @@ def _check_kjt(kjt: Any, specs: Mapping[str, FeatureSpec]) -> None:
             f"sparse features {keys} hold ids of dtype {values.dtype}; ids must be "
             "torch.int64 or torch.int32. Convert them in the dataset, not by casting floats."
         )
-    managed = [k for k in keys if k in specs and specs[k].managed]
-    if managed and values.dtype != torch.int64:
-        raise BatchValidationError(int64_message(managed, specs, values.dtype))
+    if values.dtype != torch.int64:
+        managed = [k for k in keys if k in specs and specs[k].managed]
+        if managed:
+            raise BatchValidationError(int64_message(managed, specs, values.dtype))
     if len(set(keys)) != len(keys):
         twice = sorted({k for k in keys if keys.count(k) > 1})
         raise BatchValidationError(f"sparse feature(s) {twice} appear twice in {keys}")
