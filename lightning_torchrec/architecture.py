@@ -41,7 +41,7 @@ class Layer:
     trainer: bool = False
 
 
-_BASE = ("errors", "compat", "distributed")
+_BASE = ("errors", "compat", "failure_reports", "distributed")
 
 #: Lowest first. The core is everything below ``lightning``.
 LAYERS: tuple[Layer, ...] = (
@@ -51,15 +51,22 @@ LAYERS: tuple[Layer, ...] = (
         "every private or version-sensitive name of torch, TorchRec, fbgemm (``upstream``) and "
         "Lightning (``lightning``); TorchRec's train pipelines cut where a loop takes over "
         "(``pipelines``); the upstream-only warnings, each with its cause (``upstream_warnings``); "
-        "loader workers forked around CPython's fork deadlock before 3.12 (``worker_fork``)",
+        "loader workers forked around CPython's fork deadlock before 3.12 (``worker_fork``); the "
+        "job's store (``c10d``)",
         ("errors",),
+    ),
+    Layer(
+        "failure_reports",
+        "a rank that fails alone writes its error to the job's store before it exits; the ranks "
+        "that see it as a dead peer read it and raise an error of its type that names it",
+        ("errors", "compat"),
     ),
     Layer(
         "distributed",
         "ranks, the collective device, and ``agree()``: how every rank learns that some rank "
         "failed and raises the same named error; collectives that failed because a peer died; "
         "the default group of a torchrun attempt, in keys of its own, destroyed at exit",
-        ("errors", "compat"),
+        ("errors", "compat", "failure_reports"),
     ),
     Layer(
         "data",

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from lightning_torchrec.compat.elastic import warn_multi_agent_restarts
 from lightning_torchrec.errors import PeerFailureError, RankFailureError
+from lightning_torchrec.failure_reports import explain
 
 T = TypeVar("T")
 
@@ -147,12 +148,6 @@ def collective_device() -> torch.device:
     return torch.device("cpu")
 
 
-def barrier() -> None:
-    """Waits for every rank (no-op without a process group)."""
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
 def broadcast_from_rank0(fn: Callable[[], T]) -> T:
     """Runs ``fn`` on rank 0 only and gives its result (picklable) to every rank.
 
@@ -209,13 +204,7 @@ def ranks_where(flag: bool, device: torch.device | None = None, group: Any = Non
     Returns:
         The ranks that voted True, the same list on every rank.
     """
-    return _ranks_per_slot([flag], device, group)[0]
-
-
-def _ranks_per_slot(
-    flags: list[bool], device: torch.device | None, group: Any = None
-) -> list[list[int]]:
-    return _launch_votes(flags, device, group, later=False)()
+    return _launch_votes([flag], device, group, later=False)()[0]
 
 
 def _launch_votes(
@@ -365,11 +354,13 @@ def peer_failure(exc: BaseException, timeout: Any = None) -> PeerFailureError | 
     is_dist = type(exc).__name__ in ("DistBackendError", "DistNetworkError", "DistError")
     if not (is_dist or (isinstance(exc, RuntimeError) and any(s in text for s in _PEER_SIGNS))):
         return None
-    return PeerFailureError(
+    seen = str(exc).splitlines()[0][:300]
+    failure = PeerFailureError(
         "a collective failed: another rank probably died (killed, out of memory) or stopped "
         f"answering within the collective timeout ({timeout}). Check the other ranks' logs; "
-        f"resume from the last checkpoint. Original error: {str(exc).splitlines()[0][:300]}"
+        f"resume from the last checkpoint. Original error: {seen}"
     )
+    return explain(failure, seen)  # the failing rank's own error, when it reported one
 
 
 def run_collective(fn: Any, *args: Any, timeout: Any = None, **kwargs: Any) -> Any:

@@ -20,7 +20,6 @@ from lightning_torchrec.compat.elastic import warn_multi_agent_restarts
 from lightning_torchrec.distributed import (
     agree,
     attempt_store,
-    barrier,
     broadcast_from_rank0,
     collective_device,
     init_elastic_group,
@@ -44,7 +43,6 @@ def test_without_a_process_group_everything_is_local() -> None:
     assert collective_device() == torch.device("cpu")
     assert ranks_where(True) == [0]
     assert ranks_where(False) == []
-    barrier()  # a no-op
 
 
 def test_agree_without_a_process_group_raises_the_first_error() -> None:
@@ -84,7 +82,6 @@ def test_a_one_rank_group_is_not_distributed_and_decides_locally() -> None:
     assert rank_and_world_size() == (0, 1)
     assert collective_device() == torch.device("cpu")  # gloo
     assert ranks_where(True) == [0]
-    barrier()
     agree(None)
     with pytest.raises(ValueError, match="only rank"):
         agree(ValueError("only rank"))

@@ -128,6 +128,22 @@ def test_killed_rank_makes_the_survivor_exit_with_a_peer_failure(tmp_path: Path)
     assert r0["error"] == "PeerFailureError"
 
 
+def test_a_users_error_on_one_rank_is_raised_by_type_on_the_other(tmp_path: Path) -> None:
+    # Rank 0 raised a PeerFailureError that could only say "another rank probably died".
+    proc = _launch(tmp_path, "raise_one")
+    assert proc.returncode != 0
+    failed = torch.load(tmp_path / "raise_one_rank1.pt", weights_only=False)
+    assert failed["error"] == "Boom" and failed["boom"] and not failed["peer_failure"]
+    peer = torch.load(tmp_path / "raise_one_rank0.pt", weights_only=False)
+    assert peer["error"] == "Boom" and peer["boom"] and peer["peer_failure"], peer
+    assert (
+        "stopped because another rank failed: rank 1 raised Boom at global step 3"
+        in (peer["message"])
+    )
+    assert "a bug in rank 1's training_step at step 3" in peer["message"]
+    assert "[rank 0] Boom: stopped because another rank failed" in proc.stderr
+
+
 def test_sigterm_on_rank1_saves_a_complete_checkpoint_and_the_run_resumes(
     preempted: tuple[Path, Any], phases: Path
 ) -> None:
@@ -157,3 +173,9 @@ def test_an_exception_checkpoint_of_one_failing_rank_ends_both_ranks_promptly(
         in (failed["message"])
     )
     assert not any((tmp_path / "onexc_one").glob("*"))  # nothing, not even a partial save
+    # The rank that did not fail says what the failed one raised, before its save was refused.
+    peer = torch.load(tmp_path / "onexc_one_rank0.pt", weights_only=False)
+    assert peer["error"] == "Boom" and peer["peer_failure"], peer
+    assert (
+        "rank 1 raised Boom at global step 3 (train): rank 1 fails at step 3" in (peer["message"])
+    )

@@ -13,6 +13,7 @@ checkpoint deletes only this package's own (see :mod:`lightning_torchrec.checkpo
 
 from __future__ import annotations
 
+import sys
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -149,6 +150,7 @@ class ShardedCheckpointing:
     world_size: int
     peer_timeout: timedelta | None
     _host_group: Any
+    report_failure: Any
 
     @property
     @override
@@ -193,6 +195,9 @@ class ShardedCheckpointing:
                 "last good one."
             )
         if interrupted and self.world_size > 1:
+            handling = sys.exception()  # the peers are told first, in case no rank comes
+            if handling is not None:
+                self.report_failure(handling)
             self._meet_to_save()  # an exception's save: every rank must be there
         if self._runner is not None:  # a batch judged a step late never reaches a checkpoint
             self._runner.settle()

@@ -18,6 +18,8 @@ from typing_extensions import override
 from lightning_torchrec.compat.lightning import is_last_batch, take_over_sigterm_broadcast
 from lightning_torchrec.distributed import run_collective
 from lightning_torchrec.errors import PeerFailureError, StopRequested
+from lightning_torchrec.failure_reports import clear, post
+from lightning_torchrec.lightning.checkpoint_hooks import attached_trainer
 from lightning_torchrec.lightning.trainer_setup import batch_hooks, check_accumulation
 from lightning_torchrec.sharding.sharders import has_fused_tables
 from lightning_torchrec.training.optim import DenseAndFusedOptimizer
@@ -213,18 +215,38 @@ class StepHooks:
         return done
 
     @override
+    def setup_environment(self) -> None:
+        super().setup_environment()  # type: ignore[misc]
+        # Before the set-up's collectives: no report of an earlier run in these processes
+        # explains a failure of this one.
+        clear(getattr(self, "global_rank", 0))
+
+    @override
     def on_train_start(self) -> None:
         self.tables_ahead = False  # a failed fit before this one may have left it set
         super().on_train_start()  # type: ignore[misc]
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        rank = getattr(self, "global_rank", 0)
         # A dead peer's launcher (Lightning's, torchrun) kills the survivors within seconds,
         # often before the traceback is printed after teardown: say why on this rank now.
         if isinstance(exception, PeerFailureError):
-            rank = getattr(self, "global_rank", 0)
-            print(f"[rank {rank}] PeerFailureError: {exception}", file=sys.stderr, flush=True)
+            name = type(exception).__name__
+            print(f"[rank {rank}] {name}: {exception}", file=sys.stderr, flush=True)
+        self.report_failure(exception)
         super().on_exception(exception)  # type: ignore[misc]
+
+    def report_failure(self, exception: BaseException) -> None:
+        """Tells the peers what this rank fails with, before it exits (see ``failure_reports``).
+
+        Args:
+            exception: the error this rank is failing with.
+        """
+        trainer = attached_trainer(self.lightning_module)
+        step = "set-up" if trainer is None else f"global step {trainer.global_step}"
+        stage = getattr(trainer.state.stage, "value", "") if trainer is not None else ""
+        post(exception, getattr(self, "global_rank", 0), f"{step} ({stage})" if stage else step)
 
     @override
     def on_train_end(self) -> None:

@@ -8,6 +8,8 @@
   ``received_sigterm`` set (as by Lightning's SIGTERM handler) before step 3. Each rank records
   what it raised in ``{phase}_rank{r}.pt``.
 * ``kill``: rank 1 SIGKILLs itself at step 3; rank 0 must exit non-zero within the timeout.
+* ``raise_one``: rank 1's ``training_step`` raises at step 3; rank 0 must raise an error of the
+  same type naming it.
 * ``preempt``: rank 1 receives SIGTERM at step 5: every rank saves ``OUT/preempted.ckpt`` and
   exits; ``resume`` (or ``phases``, first, when that checkpoint exists) continues from it to
   step 8.
@@ -35,7 +37,7 @@ from lightning.pytorch.callbacks import (
 )
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lightning_torchrec import DLRMClickModule, TorchRecStrategy
+from lightning_torchrec import DLRMClickModule, PeerFailureError, TorchRecStrategy
 from lightning_torchrec.lightning.preemption import PreemptionCheckpoint
 
 OUT, MODE = Path(sys.argv[1]), sys.argv[2]
@@ -53,6 +55,8 @@ class Faulty(DLRMClickModule):
         loss = super().training_step(batch, batch_idx)
         if self.global_rank == 1 and self.global_step == self.at and self.fault == "nan_loss":
             loss = loss * float("nan")
+        if self.global_rank == 1 and self.global_step == self.at and self.fault == "raise":
+            raise Boom(f"a bug in rank 1's training_step at step {self.at}")
         return loss
 
 
@@ -95,8 +99,10 @@ class RecordError(Callback):
         self.phase = phase
 
     def on_exception(self, trainer: L.Trainer, pl_module: Any, exception: BaseException) -> None:
-        if MODE in ("kill", "onexc_one"):
+        if MODE in ("kill", "onexc_one", "raise_one"):
             result = {"error": type(exception).__name__, "message": str(exception)}
+            result["peer_failure"] = isinstance(exception, PeerFailureError)
+            result["boom"] = isinstance(exception, Boom)
             torch.save(result, OUT / f"{self.phase}_rank{trainer.global_rank}.pt")
 
 
@@ -187,7 +193,7 @@ def run(
             trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
     except (Exception, SIGTERMException) as e:  # recorded for the parent's assertions
         result = {"error": type(e).__name__, "message": str(e)}
-        if MODE in ("kill", "onexc_one"):
+        if MODE in ("kill", "onexc_one", "raise_one"):
             name = phase if MODE == "kill" else f"{phase}_final"  # onexc_one: after on_exception
             torch.save(result, OUT / f"{name}_rank{trainer.global_rank}.pt")
             raise
@@ -220,6 +226,8 @@ def main() -> None:
         run("onexc_mid", "", at=-1, extra=[raise_, saver])
     elif MODE == "kill":
         run("kill", "kill", at=3)
+    elif MODE == "raise_one":  # a user's bug on rank 1 alone; rank 0 waits for it in step 3
+        run("raise_one", "raise", at=3)
     elif MODE == "onexc_one":  # only rank 1 fails; the others wait for it inside step 3
         saver = OnExceptionCheckpoint(OUT / "onexc_one")
         raise_ = RaiseAt("on_train_batch_start", 3, (1,))
