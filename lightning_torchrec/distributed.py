@@ -171,7 +171,7 @@ def broadcast_from_rank0(fn: Callable[[], T]) -> T:
             error = e
     agree(error)
     box = [result]
-    dist.broadcast_object_list(box, src=0)
+    run_collective(dist.broadcast_object_list, box, src=0)
     return box[0]
 
 
@@ -188,7 +188,7 @@ def all_gather(value: T, group: Any = None) -> list[T]:
     if not is_distributed():
         return [value]
     values: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value, group=group)
+    run_collective(dist.all_gather_object, values, value, group=group)  # a dead peer: named
     return values
 
 
@@ -350,9 +350,11 @@ def peer_failure(exc: BaseException, timeout: Any = None) -> PeerFailureError | 
     Returns:
         The explaining error, or None for unrelated exceptions.
     """
+    # torch's own errors, or gloo's (plain RuntimeErrors naming a gloo source file); a user's
+    # RuntimeError that merely says "timed out" (a DataLoader's) is this rank's own error.
     text = str(exc).lower()
-    is_dist = type(exc).__name__ in ("DistBackendError", "DistNetworkError", "DistError")
-    if not (is_dist or (isinstance(exc, RuntimeError) and any(s in text for s in _PEER_SIGNS))):
+    gloo = isinstance(exc, RuntimeError) and "gloo" in text
+    if not (isinstance(exc, dist.DistError) or (gloo and any(s in text for s in _PEER_SIGNS))):
         return None
     seen = str(exc).splitlines()[0][:300]
     failure = PeerFailureError(

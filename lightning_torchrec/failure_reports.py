@@ -4,16 +4,18 @@ A rank that raises alone (a bug in a user's hook, a file only it reads) leaves t
 waiting inside a collective. They learn of it when its process exits and its sockets close
 ("Connection closed by peer"), or at the collective timeout, and without more would raise a
 :class:`~lightning_torchrec.errors.PeerFailureError` that can only say "another rank probably
-died". So, before it exits, the failing rank writes its error's type, message and step under one
-key of the job's store (:func:`post`; the store the ranks rendezvoused in, served by rank 0 or by
-torchrun's agent), and a rank whose collective failed reads it (:func:`explain`): it raises an
-error of the failing rank's type (when that type is importable here and takes a message) that is
-also a ``PeerFailureError``, saying which rank failed, where, and with what. A rank that died
-without writing (killed, out of memory) still gives a plain ``PeerFailureError``.
+died". So, before it exits, the failing rank writes its error's type, message and step to the
+job's store (:func:`post`; the store the ranks rendezvoused in, served by rank 0 or by torchrun's
+agent), and a rank whose collective failed reads it (:func:`explain`): it raises an error of the
+failing rank's type (when that type is importable here and takes a message) that is also a
+``PeerFailureError``, saying which rank failed, where, and with what. A rank that died without
+writing (killed, out of memory) still gives a plain ``PeerFailureError``.
 
-The key is cleared by rank 0 when a run sets up (:func:`clear`, before the set-up's
-collectives), so a later run in the same processes never reads an earlier run's failure.
-Everything here is best effort: a store that cannot be reached leaves the error as it was.
+Reports are kept per *run* (a Trainer's ``fit``, ``validate``, ...; :func:`begin_run`): each
+rank counts its runs in the store, and since every rank sets up the same runs in the same order,
+the counts agree without a collective. A report written late (a slow ``on_exception``) lands
+under its own run and never explains a later run's failure. Everything here is best effort: a
+store that cannot be reached leaves the error as it was.
 """
 
 from __future__ import annotations
@@ -22,32 +24,45 @@ import json
 import sys
 from typing import Any
 
+import torch.distributed as dist
+
 from lightning_torchrec.compat.c10d import default_store
 from lightning_torchrec.errors import PeerFailureError
 
-#: The store key the failing ranks append their reports to (one JSON line each).
-KEY = "lightning_torchrec/failures"
-#: The longest message kept from a report.
-MESSAGE_CHARS = 1000
+#: The store keys: each rank's run count, and each run's reports (one JSON line each).
+RUNS_KEY, KEY = "lightning_torchrec/runs/{rank}", "lightning_torchrec/failures/{run}"
+#: What a report keeps of a long message: its head and its tail (a worker's error ends with it).
+HEAD_CHARS, TAIL_CHARS = 300, 700
 
 
-def clear(rank: int, store: Any = None) -> None:
-    """Forgets earlier runs' reports. Call on every rank before the run's first collective.
+def _rank(rank: int | None) -> int:
+    if rank is not None:
+        return rank
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _run_key(store: Any, rank: int | None, step: int) -> str:
+    """This rank's current run's report key, after adding ``step`` to its run count."""
+    return KEY.format(run=store.add(RUNS_KEY.format(rank=_rank(rank)), step))
+
+
+def begin_run(rank: int | None = None, store: Any = None) -> None:
+    """Starts a run: reports written from now on are this run's. Call on every rank.
 
     Args:
-        rank: this rank (only rank 0 clears).
+        rank: this rank (default: the default group's).
         store: the store (default: the default process group's).
     """
     store = store if store is not None else default_store()
-    if rank != 0 or store is None:
+    if store is None:
         return
     try:
-        store.delete_key(KEY)
+        _run_key(store, rank, 1)
     except Exception:  # noqa: BLE001 - best effort: a store that cannot be reached
         pass
 
 
-def post(error: BaseException, rank: int, where: str, store: Any = None) -> None:
+def post(error: BaseException, where: str, rank: int | None = None, store: Any = None) -> None:
     """Writes this rank's error where its peers look when their collective fails.
 
     Errors that are themselves a peer's failure (:class:`PeerFailureError`) are not written:
@@ -55,8 +70,8 @@ def post(error: BaseException, rank: int, where: str, store: Any = None) -> None
 
     Args:
         error: the exception this rank is failing with.
-        rank: this rank.
         where: where it was raised, for the peers' message (e.g. ``"global step 3"``).
+        rank: this rank (default: the default group's).
         store: the store (default: the default process group's).
     """
     store = store if store is not None else default_store()
@@ -66,25 +81,28 @@ def post(error: BaseException, rank: int, where: str, store: Any = None) -> None
         or getattr(error, "reported_to_peers", False)
     ):
         return
-    kind = type(error)
+    kind, message = type(error), str(error)
+    if len(message) > HEAD_CHARS + TAIL_CHARS:
+        message = f"{message[:HEAD_CHARS]} [...] {message[-TAIL_CHARS:]}"
     report = {
-        "rank": rank,
+        "rank": _rank(rank),
         "module": kind.__module__,
         "qualname": kind.__qualname__,
-        "message": str(error)[:MESSAGE_CHARS],
+        "message": message,
         "where": where,
     }
     try:
-        store.append(KEY, json.dumps(report) + "\n")
+        store.append(_run_key(store, rank, 0), json.dumps(report) + "\n")
         error.reported_to_peers = True  # type: ignore[attr-defined]
     except Exception:  # noqa: BLE001 - best effort: the peers then say "probably died"
         pass
 
 
-def read(store: Any = None) -> list[dict[str, Any]]:
-    """The reports written since the run set up, first written first.
+def read(rank: int | None = None, store: Any = None) -> list[dict[str, Any]]:
+    """The reports written in this rank's current run, first written first.
 
     Args:
+        rank: this rank (default: the default group's).
         store: the store (default: the default process group's).
 
     Returns:
@@ -95,9 +113,10 @@ def read(store: Any = None) -> list[dict[str, Any]]:
     if store is None:
         return []
     try:
-        if not store.check([KEY]):
+        key = _run_key(store, rank, 0)
+        if not store.check([key]):
             return []
-        lines = bytes(store.get(KEY)).decode("utf-8", "replace").splitlines()
+        lines = bytes(store.get(key)).decode("utf-8", "replace").splitlines()
     except Exception:  # noqa: BLE001 - best effort: the rank holding the store died too
         return []
     reports = []
@@ -111,12 +130,15 @@ def read(store: Any = None) -> list[dict[str, Any]]:
     return reports
 
 
-def explain(failure: PeerFailureError, seen: str = "", store: Any = None) -> PeerFailureError:
+def explain(
+    failure: PeerFailureError, seen: str = "", rank: int | None = None, store: Any = None
+) -> PeerFailureError:
     """``failure``, or, when a failing rank reported its error, an error that says which.
 
     Args:
         failure: the error for a collective that failed because a peer did.
         seen: how the failure showed on this rank (the collective's own error), for the message.
+        rank: this rank (default: the default group's).
         store: the store (default: the default process group's).
 
     Returns:
@@ -124,7 +146,7 @@ def explain(failure: PeerFailureError, seen: str = "", store: Any = None) -> Pee
         reporting rank's error type where it can be (see the module), whose message names every
         reporting rank, where it failed, and its error, then ``seen``.
     """
-    reports = read(store)
+    reports = read(rank, store)
     if not reports:
         return failure
     told = "; ".join(
@@ -155,9 +177,11 @@ def _as_peer_error(kind: type | None, text: str) -> PeerFailureError:
     if kind is None or not issubclass(kind, Exception) or issubclass(kind, PeerFailureError):
         return PeerFailureError(text)
     try:
+        # Named as the user's type; its message read as given (KeyError's own repr-quotes it).
         names = {"__module__": kind.__module__, "__qualname__": kind.__qualname__}
+        names["__str__"] = Exception.__str__
         both = type(kind.__name__, (kind, PeerFailureError), {**names, "__reduce__": _reduce})
         error = both(text)
     except Exception:  # noqa: BLE001 - a type that takes other arguments, or cannot be mixed
         return PeerFailureError(text)
-    return error if error.args[:1] == (text,) else PeerFailureError(text)
+    return error if str(error) == text else PeerFailureError(text)

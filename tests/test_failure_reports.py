@@ -9,7 +9,15 @@ import pytest
 import torch.distributed as dist
 
 from lightning_torchrec import PeerFailureError
-from lightning_torchrec.failure_reports import KEY, MESSAGE_CHARS, clear, explain, post, read
+from lightning_torchrec.failure_reports import (
+    HEAD_CHARS,
+    KEY,
+    TAIL_CHARS,
+    begin_run,
+    explain,
+    post,
+    read,
+)
 
 
 class UserBug(ValueError):
@@ -36,9 +44,9 @@ SEEN = PeerFailureError("a collective failed: another rank probably died")
 
 def test_the_peer_raises_the_failing_ranks_type_which_is_also_a_peer_failure() -> None:
     store = dist.HashStore()
-    assert explain(SEEN, store=store) is SEEN  # nobody reported: a death, as before
-    post(UserBug("bad row 7 in file part-3"), 1, "global step 3 (train)", store=store)
-    error = explain(SEEN, "Connection closed by peer", store=store)
+    assert explain(SEEN, rank=0, store=store) is SEEN  # nobody reported: a death, as before
+    post(UserBug("bad row 7 in file part-3"), "global step 3 (train)", 1, store=store)
+    error = explain(SEEN, "Connection closed by peer", rank=0, store=store)
     assert isinstance(error, UserBug) and isinstance(error, PeerFailureError)
     assert type(error).__name__ == "UserBug" and type(error).__module__ == __name__
     assert str(error) == (
@@ -52,9 +60,9 @@ def test_the_peer_raises_the_failing_ranks_type_which_is_also_a_peer_failure() -
 
 def test_several_reports_are_all_named_and_the_first_gives_the_type() -> None:
     store = dist.HashStore()
-    post(KeyError("user_id"), 2, "global step 5 (validate)", store=store)
-    post(UserBug("late"), 3, "global step 5 (train)", store=store)
-    error = explain(SEEN, store=store)
+    post(KeyError("user_id"), "global step 5 (validate)", 2, store=store)
+    post(UserBug("late"), "global step 5 (train)", 3, store=store)
+    error = explain(SEEN, rank=0, store=store)
     assert isinstance(error, KeyError) and isinstance(error, PeerFailureError)
     assert "rank 2 raised KeyError at global step 5 (validate)" in str(error)
     assert "rank 3 raised UserBug at global step 5 (train): late" in str(error)
@@ -72,37 +80,53 @@ def test_types_that_cannot_be_rebuilt_give_a_plain_peer_failure_naming_them(
     error: BaseException,
 ) -> None:
     store = dist.HashStore()
-    post(error, 1, "global step 2 (train)", store=store)
-    raised = explain(SEEN, store=store)
+    post(error, "global step 2 (train)", 1, store=store)
+    raised = explain(SEEN, rank=0, store=store)
     assert type(raised) is PeerFailureError
     assert f"rank 1 raised {type(error).__qualname__} at global step 2" in str(raised)
 
 
 def test_consequences_are_not_reported_and_an_error_is_reported_once() -> None:
     store = dist.HashStore()
-    post(PeerFailureError("my peer died"), 0, "global step 1", store=store)
-    assert read(store) == []
-    bug = UserBug("x" * (2 * MESSAGE_CHARS))
-    post(bug, 1, "global step 1", store=store)
-    post(bug, 1, "global step 1", store=store)  # on_exception after a save's meeting
-    (report,) = read(store)
-    assert len(report["message"]) == MESSAGE_CHARS
+    post(PeerFailureError("my peer died"), "global step 1", 0, store=store)
+    assert read(0, store) == []
+    bug = UserBug("Caught in a DataLoader worker. Traceback: " + "x" * 5000 + " bad row 7")
+    post(bug, "global step 1", 1, store=store)
+    post(bug, "global step 1", 1, store=store)  # on_exception after a save's meeting
+    (report,) = read(0, store)
+    # A worker's traceback comes first and the message last: both ends are kept.
+    assert report["message"].startswith("Caught in a DataLoader worker")
+    assert report["message"].endswith("x bad row 7")
+    assert len(report["message"]) == HEAD_CHARS + TAIL_CHARS + len(" [...] ")
 
 
-def test_rank_0_clears_an_earlier_runs_reports_at_setup() -> None:
+def test_a_keyerrors_peer_message_is_not_quoted() -> None:
     store = dist.HashStore()
-    post(UserBug("the last run's"), 1, "global step 9", store=store)
-    clear(1, store=store)  # only rank 0 clears
-    assert len(read(store)) == 1
-    clear(0, store=store)
-    assert read(store) == [] and explain(SEEN, store=store) is SEEN
+    post(KeyError("user_id"), "global step 2 (train)", 1, store=store)
+    error = explain(SEEN, rank=0, store=store)
+    assert isinstance(error, KeyError)
+    assert str(error).startswith("stopped because another rank failed: rank 1 raised KeyError")
+
+
+def test_a_report_written_late_never_explains_a_later_runs_failure() -> None:
+    # Rank 1's slow on_exception wrote run 1's error after rank 0 had set up run 2.
+    store = dist.HashStore()
+    for rank in (0, 1):
+        begin_run(rank, store=store)
+    begin_run(0, store=store)  # rank 0 is in run 2
+    post(UserBug("run 1's"), "global step 9", 1, store=store)  # rank 1 still in run 1
+    assert read(0, store) == [] and explain(SEEN, rank=0, store=store) is SEEN
+    begin_run(1, store=store)  # rank 1 reaches run 2 and fails there
+    post(UserBug("run 2's"), "global step 1", 1, store=store)
+    (report,) = read(0, store)
+    assert report["message"] == "run 2's"
 
 
 def test_damaged_or_unreachable_stores_leave_the_error_as_it_was() -> None:
     store = dist.HashStore()
-    store.set(KEY, b"not json\n[1, 2]\n")
-    assert read(store) == [] and explain(SEEN, store=store) is SEEN
+    store.set(KEY.format(run=0), b"not json\n[1, 2]\n")
+    assert read(0, store) == [] and explain(SEEN, rank=0, store=store) is SEEN
     dead = DeadStore()
-    post(UserBug("x"), 1, "global step 1", store=dead)  # no error of its own
-    clear(0, store=dead)
-    assert explain(SEEN, store=dead) is SEEN
+    post(UserBug("x"), "global step 1", 1, store=dead)  # no error of its own
+    begin_run(0, store=dead)
+    assert explain(SEEN, rank=0, store=dead) is SEEN

@@ -128,19 +128,28 @@ def test_killed_rank_makes_the_survivor_exit_with_a_peer_failure(tmp_path: Path)
     assert r0["error"] == "PeerFailureError"
 
 
-def test_a_users_error_on_one_rank_is_raised_by_type_on_the_other(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("mode", "where", "message"),
+    [
+        ("raise_one", "global step 3 (train)", "a bug in rank 1's training_step at step 3"),
+        # Rank 0 waited in Lightning's barrier after the setup hooks: a bare "Connection closed".
+        ("raise_setup", "global step 0 (train)", "rank 1 fails at step 0"),
+        # Rank 0 had finished its fit and exited 0, as if the job had succeeded.
+        ("raise_end", "global step 6 (train)", "rank 1 fails at step 6"),
+    ],
+)
+def test_a_users_error_on_one_rank_is_raised_by_type_on_the_other(
+    tmp_path: Path, mode: str, where: str, message: str
+) -> None:
     # Rank 0 raised a PeerFailureError that could only say "another rank probably died".
-    proc = _launch(tmp_path, "raise_one")
+    proc = _launch(tmp_path, mode)
     assert proc.returncode != 0
-    failed = torch.load(tmp_path / "raise_one_rank1.pt", weights_only=False)
+    failed = torch.load(tmp_path / f"{mode}_rank1.pt", weights_only=False)
     assert failed["error"] == "Boom" and failed["boom"] and not failed["peer_failure"]
-    peer = torch.load(tmp_path / "raise_one_rank0.pt", weights_only=False)
+    peer = torch.load(tmp_path / f"{mode}_rank0.pt", weights_only=False)
     assert peer["error"] == "Boom" and peer["boom"] and peer["peer_failure"], peer
-    assert (
-        "stopped because another rank failed: rank 1 raised Boom at global step 3"
-        in (peer["message"])
-    )
-    assert "a bug in rank 1's training_step at step 3" in peer["message"]
+    told = f"stopped because another rank failed: rank 1 raised Boom at {where}: {message}"
+    assert told in peer["message"]
     assert "[rank 0] Boom: stopped because another rank failed" in proc.stderr
 
 

@@ -16,9 +16,9 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from lightning_torchrec.compat.lightning import is_last_batch, take_over_sigterm_broadcast
-from lightning_torchrec.distributed import run_collective
+from lightning_torchrec.distributed import peer_failure, run_collective
 from lightning_torchrec.errors import PeerFailureError, StopRequested
-from lightning_torchrec.failure_reports import clear, post
+from lightning_torchrec.failure_reports import begin_run, post
 from lightning_torchrec.lightning.checkpoint_hooks import attached_trainer
 from lightning_torchrec.lightning.trainer_setup import batch_hooks, check_accumulation
 from lightning_torchrec.sharding.sharders import has_fused_tables
@@ -120,6 +120,24 @@ class StepHooks:
     def _collective(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         return run_collective(fn, *args, timeout=self.collective_timeout, **kwargs)
 
+    # Lightning's own collectives (its set-up barriers, checkpoint broadcasts, logged values'
+    # `sync_dist`, EarlyStopping's decision) also name a dead or failed peer.
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        self._collective(super().barrier, *args, **kwargs)  # type: ignore[misc]
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return self._collective(super().broadcast, obj, src)  # type: ignore[misc]
+
+    @override
+    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._collective(super().reduce, tensor, *args, **kwargs)  # type: ignore[misc]
+
+    @override
+    def all_gather(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._collective(super().all_gather, tensor, *args, **kwargs)  # type: ignore[misc]
+
     def _move(self, batch: Any) -> Any:
         return super().batch_to_device(batch)  # type: ignore[misc]
 
@@ -217,9 +235,8 @@ class StepHooks:
     @override
     def setup_environment(self) -> None:
         super().setup_environment()  # type: ignore[misc]
-        # Before the set-up's collectives: no report of an earlier run in these processes
-        # explains a failure of this one.
-        clear(getattr(self, "global_rank", 0))
+        # No report of an earlier run in these processes explains a failure of this one.
+        begin_run(getattr(self, "global_rank", 0))
 
     @override
     def on_train_start(self) -> None:
@@ -230,10 +247,14 @@ class StepHooks:
     def on_exception(self, exception: BaseException) -> None:
         rank = getattr(self, "global_rank", 0)
         # A dead peer's launcher (Lightning's, torchrun) kills the survivors within seconds,
-        # often before the traceback is printed after teardown: say why on this rank now.
-        if isinstance(exception, PeerFailureError):
-            name = type(exception).__name__
-            print(f"[rank {rank}] {name}: {exception}", file=sys.stderr, flush=True)
+        # often before the traceback is printed after teardown: say why on this rank now. A
+        # collective of someone else's (a metric's sync) failed bare: say which peer failed.
+        failure = exception
+        if not isinstance(exception, PeerFailureError):
+            failure = peer_failure(exception, self.collective_timeout) or exception
+        if isinstance(failure, PeerFailureError):
+            name = type(failure).__name__
+            print(f"[rank {rank}] {name}: {failure}", file=sys.stderr, flush=True)
         self.report_failure(exception)
         super().on_exception(exception)  # type: ignore[misc]
 
@@ -246,7 +267,7 @@ class StepHooks:
         trainer = attached_trainer(self.lightning_module)
         step = "set-up" if trainer is None else f"global step {trainer.global_step}"
         stage = getattr(trainer.state.stage, "value", "") if trainer is not None else ""
-        post(exception, getattr(self, "global_rank", 0), f"{step} ({stage})" if stage else step)
+        post(exception, f"{step} ({stage})" if stage else step, getattr(self, "global_rank", 0))
 
     @override
     def on_train_end(self) -> None:

@@ -307,7 +307,8 @@ class TorchRecStrategy(
         if sync is not None and (fitting or self._dmp is None):
             check_sync_batchnorm(self.root_device)
             module = sync.apply(module)
-        sharded = shard_model(
+        sharded = self._collective(  # planning and DMP's collectives: a dead peer is named
+            shard_model,
             module,
             self.root_device,
             local_world_size=self.num_processes,

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_torchrec.distributed import all_gather, collective_device
+from lightning_torchrec.distributed import all_gather, collective_device, run_collective
 
 __all__ = ["SampleWindow", "all_reduce_sum", "gather_window", "window_shares"]
 
@@ -174,7 +174,7 @@ def gather_window(window: SampleWindow, world_size: int, rank: int) -> torch.Ten
     padded = window.rows.new_zeros((longest, *window.rows.shape[1:]), device=collective_device())
     padded[: shares[rank]] = window.latest(shares[rank])
     parts = [torch.empty_like(padded) for _ in range(world_size)]
-    dist.all_gather(parts, padded)
+    run_collective(dist.all_gather, parts, padded)  # a dead peer: named
     return torch.cat([p[:k] for p, k in zip(parts, shares, strict=True)]).to(window.rows.device)
 
 
@@ -191,5 +191,5 @@ def all_reduce_sum(value: torch.Tensor, world_size: int) -> torch.Tensor:
     if not _distributed(world_size):
         return value
     total = value.to(collective_device(), copy=True)
-    dist.all_reduce(total)
+    run_collective(dist.all_reduce, total)
     return total.to(value.device)
