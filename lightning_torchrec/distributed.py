@@ -353,7 +353,7 @@ def peer_failure(exc: BaseException, timeout: Any = None) -> PeerFailureError | 
     # torch's own errors, or gloo's (plain RuntimeErrors naming a gloo source file); a user's
     # RuntimeError that merely says "timed out" (a DataLoader's) is this rank's own error.
     text = str(exc).lower()
-    gloo = isinstance(exc, RuntimeError) and "gloo" in text
+    gloo = isinstance(exc, RuntimeError) and ("gloo" in text or "pair closure" in text)
     if not (isinstance(exc, dist.DistError) or (gloo and any(s in text for s in _PEER_SIGNS))):
         return None
     seen = str(exc).splitlines()[0][:300]

@@ -9,7 +9,9 @@ job's store (:func:`post`; the store the ranks rendezvoused in, served by rank 0
 agent), and a rank whose collective failed reads it (:func:`explain`): it raises an error of the
 failing rank's type (when that type is importable here and takes a message) that is also a
 ``PeerFailureError``, saying which rank failed, where, and with what. A rank that died without
-writing (killed, out of memory) still gives a plain ``PeerFailureError``.
+writing (killed, out of memory) still gives a plain ``PeerFailureError``. A rank whose
+``trainer.should_stop`` ended its training writes that too (:func:`post_stop`): the others, still
+training, then name it.
 
 Reports are kept per *run* (a Trainer's ``fit``, ``validate``, ...; :func:`begin_run`): each
 rank counts its runs in the store, and since every rank sets up the same runs in the same order,
@@ -91,11 +93,38 @@ def post(error: BaseException, where: str, rank: int | None = None, store: Any =
         "message": message,
         "where": where,
     }
+    if _append(store, rank, report):
+        error.reported_to_peers = True  # type: ignore[attr-defined]
+
+
+def post_stop(where: str, rank: int | None = None, store: Any = None) -> None:
+    """Writes that this rank ended its training early (``trainer.should_stop``).
+
+    A rank whose ``should_stop`` was set alone ends its fit while the others start the next
+    step; they then find it gone, and name it (the stop itself is not an error on this rank).
+
+    Args:
+        where: where it stopped (e.g. ``"global step 3"``).
+        rank: this rank (default: the default group's).
+        store: the store (default: the default process group's).
+    """
+    store = store if store is not None else default_store()
+    if store is not None:
+        message = (
+            "trainer.should_stop was set on it; set it on every rank at the same step (e.g. "
+            "agreed with trainer.strategy.reduce_boolean_decision)"
+        )
+        _append(
+            store, rank, {"rank": _rank(rank), "stopped": True, "message": message, "where": where}
+        )
+
+
+def _append(store: Any, rank: int | None, report: dict[str, Any]) -> bool:
     try:
         store.append(_run_key(store, rank, 0), json.dumps(report) + "\n")
-        error.reported_to_peers = True  # type: ignore[attr-defined]
     except Exception:  # noqa: BLE001 - best effort: the peers then say "probably died"
-        pass
+        return False
+    return True
 
 
 def read(rank: int | None = None, store: Any = None) -> list[dict[str, Any]]:
@@ -149,15 +178,19 @@ def explain(
     reports = read(rank, store)
     if not reports:
         return failure
-    told = "; ".join(
-        f"rank {r['rank']} raised {r.get('qualname', '?')} at {r.get('where', '?')}: "
-        f"{r.get('message', '')}"
-        for r in reports
-    )
-    text = f"stopped because another rank failed: {told}" + (
-        f" (seen here as: {seen})" if seen else ""
-    )
-    return _as_peer_error(_resolve(reports[0]), text)
+    errors = [r for r in reports if not r.get("stopped")]
+    why = "failed" if errors else "stopped training alone"
+    told = "; ".join(_told(r) for r in reports)
+    text = f"stopped because another rank {why}: {told}"
+    text += f" (seen here as: {seen})" if seen else ""
+    return _as_peer_error(_resolve(errors[0]) if errors else None, text)
+
+
+def _told(report: dict[str, Any]) -> str:
+    where, message = report.get("where", "?"), report.get("message", "")
+    if report.get("stopped"):
+        return f"rank {report['rank']} stopped training at {where}: {message}"
+    return f"rank {report['rank']} raised {report.get('qualname', '?')} at {where}: {message}"
 
 
 def _resolve(report: dict[str, Any]) -> type | None:

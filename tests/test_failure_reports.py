@@ -16,6 +16,7 @@ from lightning_torchrec.failure_reports import (
     begin_run,
     explain,
     post,
+    post_stop,
     read,
 )
 
@@ -130,3 +131,17 @@ def test_damaged_or_unreachable_stores_leave_the_error_as_it_was() -> None:
     post(UserBug("x"), "global step 1", 1, store=dead)  # no error of its own
     begin_run(0, store=dead)
     assert explain(SEEN, rank=0, store=dead) is SEEN
+
+
+def test_a_rank_that_stopped_alone_is_named_and_an_error_still_gives_the_type() -> None:
+    store = dist.HashStore()
+    post_stop("global step 3", 1, store=store)
+    error = explain(SEEN, rank=0, store=store)
+    assert type(error) is PeerFailureError
+    assert str(error).startswith(
+        "stopped because another rank stopped training alone: rank 1 stopped training at "
+        "global step 3: trainer.should_stop was set on it"
+    )
+    post(UserBug("bad"), "global step 3 (train)", 2, store=store)
+    error = explain(SEEN, rank=0, store=store)
+    assert isinstance(error, UserBug) and "another rank failed" in str(error)

@@ -70,6 +70,7 @@ def test_peer_failure_explains_dead_peers_only() -> None:
     err = peer_failure(RuntimeError(gloo), 20)
     assert err is not None and "another rank probably died" in str(err)
     assert peer_failure(dist.DistNetworkError("Broken pipe")) is not None
+    assert peer_failure(RuntimeError("Application timeout caused pair closure")) is not None
     assert peer_failure(RuntimeError("shape mismatch")) is None
     # This rank's own error, though it says "timed out": it was blamed on another rank, and
     # so neither rank named it.

@@ -51,8 +51,6 @@ class DataHooks:
     def _end_evaluation(self) -> None:
         if self._runner is not None:
             self._runner.end_evaluation()
-            if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
-                self._runner.meet()  # a rank failing alone in its own `on_test_end` is found
 
     @override
     def on_train_start(self) -> None:

@@ -18,7 +18,7 @@ from typing_extensions import override
 from lightning_torchrec.compat.lightning import is_last_batch, take_over_sigterm_broadcast
 from lightning_torchrec.distributed import peer_failure, run_collective
 from lightning_torchrec.errors import PeerFailureError, StopRequested
-from lightning_torchrec.failure_reports import begin_run, post
+from lightning_torchrec.failure_reports import begin_run, post, post_stop
 from lightning_torchrec.lightning.checkpoint_hooks import attached_trainer
 from lightning_torchrec.lightning.trainer_setup import batch_hooks, check_accumulation
 from lightning_torchrec.sharding.sharders import has_fused_tables
@@ -271,5 +271,8 @@ class StepHooks:
 
     @override
     def on_train_end(self) -> None:
+        trainer = attached_trainer(self.lightning_module)
+        if trainer is not None and trainer.should_stop and getattr(self, "world_size", 1) > 1:
+            post_stop(f"global step {trainer.global_step}", getattr(self, "global_rank", 0))
         if self._runner is not None:  # the last step's loss has no next step to be judged at
             self._runner.end_fit()

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from lightning_torchrec.compat.worker_fork import fork_safely
-from lightning_torchrec.distributed import ranks_where, run_collective
+from lightning_torchrec.distributed import run_collective
 from lightning_torchrec.errors import StopRequested
 from lightning_torchrec.sharding.sharders import check_semi_sync_plan
 from lightning_torchrec.sharding.tables import FeatureSpec
@@ -371,16 +371,8 @@ class StepRunner:
     def end_fit(self) -> None:
         """Judges the last step's loss (collective) and releases the training pipeline."""
         self.collective(self.guard.flush)
-        self.meet()
         if self.training is not None:  # a later fit, validate or predict: the own forwards
             self.training.release()
-
-    def meet(self) -> None:
-        """Meets every rank at a run's end, in one tiny collective.
-
-        A rank that failed alone after its last collective (its own ``on_train_end``) stops them.
-        """
-        self.collective(ranks_where, False, self.device, self.guard.group)
 
     def start_evaluation(self) -> None:
         """Before evaluation: the sharded modules run their own forwards again."""

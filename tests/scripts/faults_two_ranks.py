@@ -9,8 +9,8 @@
   what it raised in ``{phase}_rank{r}.pt``.
 * ``kill``: rank 1 SIGKILLs itself at step 3; rank 0 must exit non-zero within the timeout.
 * ``raise_one``: rank 1's ``training_step`` raises at step 3; rank 0 must raise an error of the
-  same type naming it. ``raise_setup`` and ``raise_end``: the same from a callback's ``setup``
-  and ``on_train_end`` on rank 1.
+  same type naming it. ``raise_setup``: the same from a callback's ``setup`` on rank 1.
+* ``stop_one``: ``trainer.should_stop`` set on rank 1 alone: rank 0 must name it.
 * ``preempt``: rank 1 receives SIGTERM at step 5: every rank saves ``OUT/preempted.ckpt`` and
   exits; ``resume`` (or ``phases``, first, when that checkpoint exists) continues from it to
   step 8.
@@ -78,6 +78,12 @@ class RaiseAt(Callback):
             raise Boom(f"rank {trainer.global_rank} fails at step {self.at}")
 
 
+class StopAlone(Callback):
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_rank == 1 and trainer.global_step == 3:
+            trainer.should_stop = True
+
+
 class RankOneFault(Callback):
     def __init__(self, fault: str, at: int) -> None:
         self.fault, self.at = fault, at
@@ -101,7 +107,7 @@ class RecordError(Callback):
         self.phase = phase
 
     def on_exception(self, trainer: L.Trainer, pl_module: Any, exception: BaseException) -> None:
-        if MODE in ("kill", "onexc_one") or MODE.startswith("raise_"):
+        if MODE in ("kill", "onexc_one", "stop_one") or MODE.startswith("raise_"):
             result = {"error": type(exception).__name__, "message": str(exception)}
             result["peer_failure"] = isinstance(exception, PeerFailureError)
             result["boom"] = isinstance(exception, Boom)
@@ -195,7 +201,7 @@ def run(
             trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
     except (Exception, SIGTERMException) as e:  # recorded for the parent's assertions
         result = {"error": type(e).__name__, "message": str(e)}
-        if MODE in ("kill", "onexc_one") or MODE.startswith("raise_"):
+        if MODE in ("kill", "onexc_one", "stop_one") or MODE.startswith("raise_"):
             name = phase if MODE == "kill" else f"{phase}_final"  # onexc_one: after on_exception
             torch.save(result, OUT / f"{name}_rank{trainer.global_rank}.pt")
             raise
@@ -230,10 +236,10 @@ def main() -> None:
         run("kill", "kill", at=3)
     elif MODE == "raise_one":  # a user's bug on rank 1 alone; rank 0 waits for it in step 3
         run("raise_one", "raise", at=3)
+    elif MODE == "stop_one":  # trainer.should_stop set on rank 1 alone after step 3
+        run("stop_one", "", at=-1, extra=[StopAlone()])
     elif MODE == "raise_setup":  # rank 0 waits in Lightning's barrier after the setup hooks
         run("raise_setup", "", at=-1, extra=[RaiseAt("setup", 0, (1,))])
-    elif MODE == "raise_end":  # rank 1 fails after its last collective: rank 0 must not succeed
-        run("raise_end", "", at=-1, extra=[RaiseAt("on_train_end", 6, (1,))])
     elif MODE == "onexc_one":  # only rank 1 fails; the others wait for it inside step 3
         saver = OnExceptionCheckpoint(OUT / "onexc_one")
         raise_ = RaiseAt("on_train_batch_start", 3, (1,))
