@@ -211,7 +211,7 @@ def _as_peer_error(kind: type | None, text: str) -> PeerFailureError:
         return PeerFailureError(text)
     try:
         # Named as the user's type; its message read as given (KeyError's own repr-quotes it).
-        names = {"__module__": kind.__module__, "__qualname__": kind.__qualname__}
+        names: dict[str, Any] = {"__module__": kind.__module__, "__qualname__": kind.__qualname__}
         names["__str__"] = Exception.__str__
         both = type(kind.__name__, (kind, PeerFailureError), {**names, "__reduce__": _reduce})
         error = both(text)

@@ -145,3 +145,24 @@ def test_a_rank_that_stopped_alone_is_named_and_an_error_still_gives_the_type() 
     post(UserBug("bad"), "global step 3 (train)", 2, store=store)
     error = explain(SEEN, rank=0, store=store)
     assert isinstance(error, UserBug) and "another rank failed" in str(error)
+
+
+def test_the_strategy_reports_its_own_errors_never_a_dead_peers_bare_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A bare gloo error (a metric's own sync) reported as this rank's would have told a third
+    # rank that this one failed.
+    from lightning_torchrec import TorchRecStrategy
+    from lightning_torchrec.lightning import step_hooks
+
+    posted: list[BaseException] = []
+    monkeypatch.setattr(step_hooks, "post", lambda error, *args: posted.append(error))
+    strategy = TorchRecStrategy()
+    bare = RuntimeError(
+        "[third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer"
+    )
+    strategy.on_exception(bare)
+    assert len(posted) == 1 and isinstance(posted[0], PeerFailureError)
+    bug = UserBug("mine")
+    strategy.on_exception(bug)
+    assert posted[1] is bug

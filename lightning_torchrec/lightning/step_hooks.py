@@ -255,7 +255,7 @@ class StepHooks:
         if isinstance(failure, PeerFailureError):
             name = type(failure).__name__
             print(f"[rank {rank}] {name}: {failure}", file=sys.stderr, flush=True)
-        self.report_failure(exception)
+        self.report_failure(failure)  # not a dead peer's bare error: that is not this rank's
         super().on_exception(exception)  # type: ignore[misc]
 
     def report_failure(self, exception: BaseException) -> None:
