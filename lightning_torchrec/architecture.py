@@ -52,7 +52,8 @@ LAYERS: tuple[Layer, ...] = (
         "Lightning (``lightning``); TorchRec's train pipelines cut where a loop takes over "
         "(``pipelines``); the upstream-only warnings, each with its cause (``upstream_warnings``); "
         "loader workers forked around CPython's fork deadlock before 3.12 (``worker_fork``); the "
-        "job's store (``c10d``)",
+        "job's store (``c10d``); the optimizers ``apply_optimizer_in_backward`` leaves on "
+        "parameters and the tables of fused kernels (``fused``)",
         ("errors",),
     ),
     Layer(
@@ -82,7 +83,8 @@ LAYERS: tuple[Layer, ...] = (
     ),
     Layer(
         "sharding",
-        "tables and their shards, sharders, configuration checks, the planner and "
+        "tables and their shards, sharders, configuration checks, tables with optimizers of "
+        "their own, the planner and "
         "``shard_model()`` (the one place that builds ``DistributedModelParallel``), the readable "
         "plan, outputs in the unsharded key order",
         _BASE,

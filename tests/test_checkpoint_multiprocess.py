@@ -202,3 +202,35 @@ def test_kernels_resume_on_one_rank_driving_more_kernels_than_rank_zero_saved(ru
         dense, fused = kernel_schedule(seen.steps, step)
         assert dense == pytest.approx(1e-2 / step) and fused == pytest.approx(0.1 / step)
     assert [g["lr"] for g in opt.param_groups] == pytest.approx([1e-2 / 7, 0.1 / 7, 0.1 / 7])
+
+
+#: ``checkpoint_two_ranks.OWN_LRS``: each table's own optimizer's learning rate.
+OWN_LRS = (0.1, 0.02)
+
+
+def test_tables_with_their_own_learning_rate_resume_it_on_every_rank(run: Path) -> None:
+    # t_cat_r on rank r, each with its own SGD rate; Lightning restores every rank's scheduler
+    # from rank 0's state, whose fused base rate is t_cat_0's (rank 1 trained t_cat_1 at 5x).
+    resumed = load_ranks(run, "own_resume_steps"), load_ranks(run, "own_resume_end")
+    for rank, (steps, end) in enumerate(zip(*resumed, strict=True)):
+        assert sorted(steps) == [5, 6]
+        for step in steps:
+            dense, fused = kernel_schedule(steps, step)
+            assert dense == pytest.approx(1e-2 / step)
+            assert fused == pytest.approx(OWN_LRS[rank] / step), (rank, step)
+        assert end["lrs"] == pytest.approx([1e-2 / 7, OWN_LRS[rank] / 7]), rank
+
+
+def test_tables_with_their_own_learning_rate_resume_it_on_one_rank(run: Path) -> None:
+    # Both tables on one rank: each kernel takes the values saved for its own table, not one
+    # saved fused group's for both.
+    module = pooled_module(OWN_LRS)
+    strategy = TorchRecStrategy(plan=pooled_plan(module, [0, 0], 1), log_plan=False)
+    trainer = cpu_trainer(strategy, max_steps=6, limit_val_batches=0, default_root_dir=run)
+    data = tiny_data(40, 2, batch_size=16, train_batches=8, seed=2)
+    trainer.fit(module, datamodule=data, ckpt_path=run / "own.ckpt")
+    opt = trainer.optimizers[0]
+    assert kernel_lrs(opt.fused) == pytest.approx([lr / 6 for lr in OWN_LRS])  # step 6's
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([1e-2 / 7, 0.1 / 7, 0.02 / 7])
+    (scheduler,) = (c.scheduler for c in trainer.lr_scheduler_configs)
+    assert scheduler.base_lrs == pytest.approx([1e-2, *OWN_LRS])

@@ -31,10 +31,22 @@ def test_the_run_record_takes_the_largest_counter_and_a_saved_fused_group() -> N
         [{"step": 7, "fused_group": {"lr": 0.1}}],
         [{"step": 6, "fused_group": {"lr": 0.1}}],
     ]
-    assert merge_run_records(ranks) == [{"step": 7, "fused_group": {"lr": 0.1}}]
+    assert merge_run_records(ranks) == [{"step": 7, "fused_group": {"lr": 0.1}, "fused_tables": {}}]
     assert merge_run_records([[{"step": None, "fused_group": None}]] * 2) == [
-        {"step": None, "fused_group": None}
+        {"step": None, "fused_group": None, "fused_tables": {}}
     ]
+
+
+def test_the_run_record_keeps_every_ranks_tables_with_their_own_values() -> None:
+    ranks = [
+        [{"step": 3, "fused_group": {"lr": 0.5}, "fused_tables": {"a": {"lr": 0.5}}}],
+        [{"step": 3, "fused_group": {"lr": 0.1}, "fused_tables": {"b": {"lr": 0.1}}}],
+        [{"step": 3, "fused_group": {"lr": 0.5}, "fused_tables": {"a": {"lr": 0.5}}}],
+    ]
+    (merged,) = merge_run_records(ranks)
+    assert merged["fused_tables"] == {"a": {"lr": 0.5}, "b": {"lr": 0.1}}
+    meta = {"pkg": {"optimizers": [merged]}}
+    assert read_run_record(meta, "pkg", "ckpt/meta.pt") == [merged]
 
 
 @pytest.mark.parametrize(
@@ -47,6 +59,10 @@ def test_the_run_record_takes_the_largest_counter_and_a_saved_fused_group() -> N
         [{"step": 1, "fused_group": {1: 0.1}}],
         [{"step": 1}],
         [{"step": 1, "fused_group": None, "code": "x"}],
+        [{"step": 1, "fused_group": None, "fused_tables": ["a"]}],
+        [{"step": 1, "fused_group": None, "fused_tables": {"a": 0.1}}],
+        [{"step": 1, "fused_group": None, "fused_tables": {"a": {2: 0.1}}}],
+        [{"step": 1, "fused_group": None, "fused_tables": {3: {"lr": 0.1}}}],
     ],
 )
 def test_a_crafted_run_record_is_refused_naming_the_file(record: object) -> None:

@@ -4,10 +4,14 @@ A :class:`~lightning_torchrec.training.optim.DenseAndFusedOptimizer` lists the d
 param groups first, then one group per fused embedding kernel. How many kernels a rank drives
 follows the plan: which tables it holds, and their pooling and data types (TorchRec groups tables
 into kernels by both). So under another plan or world size a rank's groups do not line up with
-the ones it saved. The dense groups still do (the same dense optimizer); the fused groups are
-matched one to one when there are as many, and otherwise each takes a saved fused group's values
-(the fused kernels of one run are configured and scheduled alike). An LR scheduler's per-group
-lists (``base_lrs``, ``_last_lr``, ...), saved by rank 0 only, are matched the same way.
+the ones it saved. The dense groups still do (the same dense optimizer). A fused group takes the
+values saved for the tables its kernel holds (the save records every rank's fused groups by
+table: tables given their own optimizer with ``apply_optimizer_in_backward`` may each have their
+own learning rate); for an older checkpoint, the fused groups are matched one to one when there
+are as many, and otherwise each takes a saved fused group's values. An LR scheduler's per-group
+lists (``base_lrs``, ``_last_lr``, ...), saved by rank 0 only, are matched the same way, except
+that a fused group's ``base_lrs`` and ``_last_lr`` entries are its own restored ``initial_lr``
+and ``lr``: rank 0's are those of its own tables.
 
 The kernels' step counters advance in lock step; the save records the run's counter (the
 largest any rank saved) and a fused group's values in ``meta.pt``, so a rank that held no kernel
@@ -20,6 +24,7 @@ from typing import Any
 
 from torchrec.optim.keyed import KeyedOptimizer
 
+from lightning_torchrec.compat.fused import fused_param_groups, kernel_tables
 from lightning_torchrec.compat.upstream import (
     SCHEDULER_GROUP_KEYS,
     SCHEDULER_LAST_LR,
@@ -95,32 +100,40 @@ def run_record(optimizers: list[KeyedOptimizer]) -> list[dict[str, Any]]:
         optimizers: the keyed optimizers being saved.
 
     Returns:
-        One ``{"step": int | None, "fused_group": dict | None}`` per optimizer.
+        One ``{"step": int | None, "fused_group": dict | None, "fused_tables": {table:
+        dict}}`` per optimizer.
     """
     record = []
     for opt in optimizers:
         steps = optimizer_steps(opt)
         dense, fused = group_split(opt)
         group = opt.param_groups[dense] if fused else None
+        tables: dict[str, dict[str, Any]] = {}
+        for kernel_group, kernel in fused_param_groups(opt):
+            for table in kernel_tables(kernel):
+                tables.setdefault(table, _values(kernel_group))
         record.append(
             {
                 "step": max(steps) if steps else None,
-                "fused_group": None
-                if group is None
-                else {k: v for k, v in group.items() if k != "params"},
+                "fused_group": None if group is None else _values(group),
+                "fused_tables": tables,
             }
         )
     return record
 
 
+def _values(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
 def merge_run_records(records: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """The run's record from every rank's share (rank order): the largest step, a fused group.
+    """The run's record from every rank's share (rank order): the largest step, the fused groups.
 
     Args:
         records: every rank's :func:`run_record`.
 
     Returns:
-        One ``{"step", "fused_group"}`` per optimizer.
+        One ``{"step", "fused_group", "fused_tables"}`` per optimizer.
     """
     merged = []
     for index in range(len(records[0]) if records else 0):
@@ -128,7 +141,13 @@ def merge_run_records(records: list[list[dict[str, Any]]]) -> list[dict[str, Any
         steps = [s["step"] for s in shares if s["step"] is not None]
         groups = [s["fused_group"] for s in shares if s["fused_group"] is not None]
         step = max(steps) if steps else None
-        merged.append({"step": step, "fused_group": next(iter(groups), None)})
+        tables: dict[str, dict[str, Any]] = {}
+        for share in shares:
+            for table, values in share.get("fused_tables", {}).items():
+                tables.setdefault(table, values)
+        merged.append(
+            {"step": step, "fused_group": next(iter(groups), None), "fused_tables": tables}
+        )
     return merged
 
 
@@ -141,7 +160,8 @@ def read_run_record(meta: dict[str, Any], package_key: str, where: str) -> list[
         where: the file, for errors.
 
     Returns:
-        One ``{"step": int | None, "fused_group": dict | None}`` per optimizer.
+        One ``{"step": int | None, "fused_group": dict | None}`` per optimizer, with
+        ``"fused_tables"`` (``{table: dict}``) when the checkpoint recorded them.
 
     Raises:
         CheckpointCorruptError: if the record is not of that form, naming the file.
@@ -149,17 +169,24 @@ def read_run_record(meta: dict[str, Any], package_key: str, where: str) -> list[
     info = meta.get(package_key)
     record = info.get(RUN_KEY, []) if isinstance(info, dict) else []
 
+    def group_ok(group: Any) -> bool:
+        return isinstance(group, dict) and all(isinstance(k, str) for k in group)
+
     def entry_ok(e: Any) -> bool:
-        if not isinstance(e, dict) or set(e) != {"step", "fused_group"}:
+        if not isinstance(e, dict) or set(e) - {"fused_tables"} != {"step", "fused_group"}:
             return False
-        step, group = e["step"], e["fused_group"]
+        step, group, tables = e["step"], e["fused_group"], e.get("fused_tables", {})
         step_ok = step is None or (type(step) is int and step >= 0)
-        return step_ok and (group is None or all(isinstance(k, str) for k in group))
+        tables_ok = isinstance(tables, dict) and all(
+            isinstance(t, str) and group_ok(v) for t, v in tables.items()
+        )
+        return step_ok and tables_ok and (group is None or group_ok(group))
 
     if not isinstance(record, list) or not all(entry_ok(e) for e in record):
         raise CheckpointCorruptError(
             f"{where}: its record of the optimizers' step counters and fused hyper-parameters "
-            "is not a list of {'step': count or None, 'fused_group': dict or None}"
+            "is not a list of {'step': count or None, 'fused_group': dict or None, "
+            "'fused_tables': {table: dict}}"
         )
     return record
 
@@ -187,13 +214,28 @@ def apply_hyper_params(
     groups = saved["param_groups"][index]
     current = group_split(optimizer)
     sources = group_sources(saved_split(len(groups), current), current)
+    by_table = _table_values(optimizer, record.get("fused_tables") or {})
     for position, (group, source) in enumerate(zip(optimizer.param_groups, sources, strict=True)):
-        values = groups[source] if source is not None else None
+        values = by_table.get(id(group))
+        if values is None and source is not None:
+            values = groups[source]
         if values is None and position >= current[0]:
             values = record["fused_group"]
         for k, v in (values or {}).items():
             if k in group:
                 group[k] = v
+
+
+def _table_values(
+    optimizer: KeyedOptimizer, saved: dict[str, dict[str, Any]]
+) -> dict[int, dict[str, Any]]:
+    """For each fused group (by ``id``) whose tables were all saved alike: their values."""
+    out = {}
+    for group, kernel in fused_param_groups(optimizer):
+        found = [saved.get(t) for t in kernel_tables(kernel)]
+        if found and all(v is not None and v == found[0] for v in found):
+            out[id(group)] = found[0]
+    return out
 
 
 def scheduler_state(
@@ -208,25 +250,31 @@ def scheduler_state(
             saved value fits (else the group's own ``initial_lr``/``lr``).
 
     Returns:
-        ``state`` with its per-group lists of one entry per current group (``state`` itself when
-        they already line up).
+        A copy of ``state`` with its per-group lists of one entry per current group, the fused
+        groups' ``base_lrs`` and ``_last_lr`` taken from the groups themselves (restored from
+        this rank's own file).
     """
     current = group_split(optimizer)
     out = dict(state)
     for key in SCHEDULER_GROUP_KEYS:
         old = state.get(key)
-        if not isinstance(old, list) or len(old) == sum(current) or not old:
+        if not isinstance(old, list) or not old:
             continue
-        sources = group_sources(saved_split(len(old), current), current)
-        made = (fresh or {}).get(key)
-        values = []
-        for j, source in enumerate(sources):
-            if source is not None:
-                values.append(old[source])
-            elif isinstance(made, list) and len(made) == len(sources):
-                values.append(made[j])
-            else:
-                values.append(_fallback(key, optimizer.param_groups[j]))
+        values = list(old)
+        if len(old) != sum(current):
+            sources = group_sources(saved_split(len(old), current), current)
+            made = (fresh or {}).get(key)
+            values = []
+            for j, source in enumerate(sources):
+                if source is not None:
+                    values.append(old[source])
+                elif isinstance(made, list) and len(made) == len(sources):
+                    values.append(made[j])
+                else:
+                    values.append(_fallback(key, optimizer.param_groups[j]))
+        if key in ("base_lrs", SCHEDULER_LAST_LR):  # a fused group's own, not rank 0's
+            for j in range(current[0], sum(current)):
+                values[j] = _fallback(key, optimizer.param_groups[j])
         out[key] = values
     nested = state.get(SCHEDULER_NESTED)
     made = (fresh or {}).get(SCHEDULER_NESTED)
@@ -242,8 +290,7 @@ def scheduler_state(
 
 
 def _fallback(key: str, group: dict[str, Any]) -> Any:
-    # A fused group when rank 0 saved none, and no freshly built value: what a scheduler built on
-    # this group starts from.
+    # What a scheduler built on this group starts from (its last rate: the group's own).
     if key == "lr_lambdas":
         return None
     if key == "min_lrs":

@@ -32,6 +32,7 @@ from torchrec.distributed.planner.types import (
 )
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 
+from lightning_torchrec.compat.fused import estimated_optimizers, fused_param_groups, kernel_tables
 from lightning_torchrec.compat.upstream import planner_topology
 from lightning_torchrec.distributed import broadcast_from_rank0
 from lightning_torchrec.sharding.key_order import keep_key_order
@@ -50,6 +51,14 @@ from lightning_torchrec.sharding.setup_checks import (
     warn_materialized,
 )
 from lightning_torchrec.sharding.sharders import default_sharders
+from lightning_torchrec.sharding.table_optimizers import (
+    check_plan_kernels,
+    check_table_optimizers,
+    estimate_classes,
+    fused_constraints,
+    precedence_note,
+    table_optimizers,
+)
 from lightning_torchrec.sharding.tables import (
     FeatureSpec,
     dense_bytes,
@@ -58,6 +67,7 @@ from lightning_torchrec.sharding.tables import (
     embedding_tables,
     feature_specs,
     materialized_tables,
+    table_configs,
     unwrap,
 )
 
@@ -207,6 +217,8 @@ class ShardedModel(NamedTuple):
         summary: the plan, readably (computed before sharding replaced the table configs).
         feature_specs: what each sparse feature may hold (from the unsharded tables).
         dense_width: the dense input width the model declares, or None.
+        own_optimizers: the tables given an optimizer of their own with
+            ``apply_optimizer_in_backward``.
     """
 
     dmp: DistributedModelParallel
@@ -214,14 +226,19 @@ class ShardedModel(NamedTuple):
     summary: PlanSummary
     feature_specs: dict[str, FeatureSpec]
     dense_width: int | None
+    own_optimizers: frozenset[str] = frozenset()
 
 
 def _reuse(sharded: ShardedModel, fused_params: dict[str, Any] | None) -> ShardedModel:
     """The model sharded by an earlier call, with a new fused learning rate if one is given."""
     lr = (fused_params or {}).get("learning_rate")
+    optimizer = sharded.dmp.fused_optimizer
+    own = sharded.own_optimizers  # tables keep the learning rate of their own optimizer
+    kept = {id(g) for g, k in fused_param_groups(optimizer) if own & set(kernel_tables(k))}
     if lr is not None:
-        for group in sharded.dmp.fused_optimizer.param_groups:
-            group["lr"] = lr
+        for group in optimizer.param_groups:
+            if id(group) not in kept:
+                group["lr"] = lr
     logger.info("The model was sharded before in this process: reusing its sharding.")
     return sharded
 
@@ -280,17 +297,25 @@ def shard_model(
     check_constraints_match_model(constraints, model)
     if plan is not None:
         check_plan_matches_model(plan, model)
+    own = table_optimizers(model)  # apply_optimizer_in_backward's, over fused_params
+    check_table_optimizers(own, compute_device)
     sharders = config.resolved_sharders()
-    check_fused_optimizer_for_device(sharders, compute_device)
+    tables = list(table_configs(model))
+    if set(tables) - set(own):
+        check_fused_optimizer_for_device(sharders, compute_device)
     local = resolve_local_world_size(local_world_size, world_size)
     if plan is None:
         if planner is None:
             topology = make_topology(world_size, local, compute_device)
-            planner = make_planner(
-                model, topology, device_constraints(model, constraints, compute_device)
-            )
-        plan = plan_collectively(planner, model, sharders, planner_topology(planner))
+            narrowed = device_constraints(model, constraints, compute_device)
+            planner = make_planner(model, topology, fused_constraints(narrowed, own))
+        with estimated_optimizers(estimate_classes(model, own, sharders)):
+            plan = plan_collectively(planner, model, sharders, planner_topology(planner))
     check_plan(plan, world_size, compute_device, model)
+    check_plan_kernels(plan, own)
+    note = precedence_note(own, tables, fused_params)
+    if note and dist.get_rank() == 0:
+        warnings.warn(note, UserWarning, stacklevel=2)
     summary = summarize_plan(model, plan, world_size, local)
     modules = embedding_modules(model)  # before DMP replaces them with sharded ones
     specs = feature_specs(model)
@@ -311,7 +336,7 @@ def shard_model(
     inner = unwrap(dmp)
     for path, configs in modules.items():
         keep_key_order(inner.get_submodule(path) if path else inner, configs)
-    sharded = ShardedModel(dmp, plan, summary, specs, dense_width(model))
+    sharded = ShardedModel(dmp, plan, summary, specs, dense_width(model), frozenset(own))
     attach(model, sharded, config)
     return sharded
 

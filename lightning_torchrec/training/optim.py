@@ -18,6 +18,7 @@ from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
+from lightning_torchrec.compat.fused import fused_param_groups
 from lightning_torchrec.compat.upstream import fused_kernels, kernel_step, set_kernel_step
 
 DENSE_KEY = "dense"
@@ -145,7 +146,7 @@ class DenseAndFusedOptimizer(CombinedOptimizer):
         Returns:
             ``(param group, fbgemm TBE)`` pairs, in ``param_groups`` order.
         """
-        return _fused_groups(self.fused) if self.fused is not None else []
+        return fused_param_groups(self.fused) if self.fused is not None else []
 
     def off_kernel_values(self) -> list[str]:
         """The values of fused groups (besides ``lr``) that differ from their kernel's.
@@ -192,13 +193,6 @@ def kernel_values(kernel: Any) -> dict[str, Any]:
         "weight_decay": float(args.weight_decay),
         "eps": float(args.eps),
     }
-
-
-def _fused_groups(optimizer: Any) -> list[tuple[dict[str, Any], Any]]:
-    if isinstance(optimizer, CombinedOptimizer):
-        return [pair for _, inner in optimizer.optimizers for pair in _fused_groups(inner)]
-    kernels = fused_kernels(optimizer)
-    return [(group, kernels[0]) for group in optimizer.param_groups] if kernels else []
 
 
 def combine_optimizers(

@@ -11,7 +11,10 @@ Phases, all in one launch:
    kernel on a rank holding both), with a ``LambdaLR`` on both optimizers, saves after 4 steps
    with both tables on rank 1 (rank 0 drives no kernel: it saves no fused hyper-parameters, no
    step counter, and a scheduler state of one group), then resumes with one table per rank to
-   step 6 (``kernels_resume``); ``kernels.ckpt`` is also resumed on one rank by the test.
+   step 6 (``kernels_resume``); ``kernels.ckpt`` is also resumed on one rank by the test;
+6. ``own``: the same tables, one per rank, each given an SGD of its own learning rate
+   (``apply_optimizer_in_backward``, :data:`OWN_LRS`), save after 4 steps and resume to step 6
+   (``own_resume``); ``own.ckpt`` is also resumed on one rank by the test.
 
 Per-step losses, learning rates (dense, and the one each fused kernel uses) and local state
 snapshots go to ``{phase}_*_rank{r}.pt`` in argv[1].
@@ -47,6 +50,8 @@ from lightning_torchrec.errors import CheckpointMismatchError
 from lightning_torchrec.training.optim import optimizer_steps
 
 OUT = Path(sys.argv[1])
+#: The learning rates of the ``own`` phase's tables' own optimizers (t_cat_0, t_cat_1).
+OWN_LRS = (0.1, 0.02)
 TABLES = 4
 EPOCHS, STOP_EPOCHS = 3, 2  # 10 steps per epoch and rank
 STOP = 20
@@ -136,14 +141,16 @@ def column_wise_plan(model: DLRMClickModule) -> Any:
     )
 
 
-def pooled_run(tag: str, ranks: list[int], steps: int, world: int = 2) -> tuple[Any, Any, Any]:
+def pooled_run(
+    tag: str, ranks: list[int], steps: int, world: int = 2, own_lrs: tuple[float, ...] = ()
+) -> tuple[Any, Any, Any]:
     L.seed_everything(11)
     data = tiny_data(40, 2, batch_size=16, train_batches=8, seed=2)
-    module = pooled_module()
+    module = pooled_module(own_lrs)
     trainer = cpu_trainer(
         TorchRecStrategy(
             plan=pooled_plan(module, ranks, world),
-            fused_params={"learning_rate": 0.1},
+            fused_params=None if own_lrs else {"learning_rate": 0.1},
             log_plan=False,
         ),
         devices=world,
@@ -199,6 +206,12 @@ def main() -> None:
     trainer.save_checkpoint(OUT / "kernels.ckpt")
     data, module, trainer = pooled_run("kernels_resume", [0, 1], 6)
     trainer.fit(module, datamodule=data, ckpt_path=OUT / "kernels.ckpt")
+
+    data, module, trainer = pooled_run("own_save", [0, 1], 4, own_lrs=OWN_LRS)
+    trainer.fit(module, datamodule=data)
+    trainer.save_checkpoint(OUT / "own.ckpt")
+    data, module, trainer = pooled_run("own_resume", [0, 1], 6, own_lrs=OWN_LRS)
+    trainer.fit(module, datamodule=data, ckpt_path=OUT / "own.ckpt")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ One module for both: the scripts in this directory import it as a sibling (``fro
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -20,6 +21,7 @@ from torchrec.distributed.sharding_plan import construct_module_sharding_plan
 from torchrec.distributed.sharding_plan import table_wise as on_rank
 from torchrec.distributed.types import ShardingPlan
 from torchrec.models.dlrm import DLRM
+from torchrec.optim import apply_optimizer_in_backward
 
 from lightning_torchrec import (
     DLRMClickModule,
@@ -159,8 +161,12 @@ class Capture(Logger):
 POOLED_EBC = "model_and_loss.model.sparse_arch.embedding_bag_collection"
 
 
-def pooled_module() -> TorchRecModule:
-    """Two tables TorchRec puts in separate fused kernels on one rank (SUM and MEAN pooling)."""
+def pooled_module(own_lrs: Sequence[float] = ()) -> TorchRecModule:
+    """Two tables TorchRec puts in separate fused kernels on one rank (SUM and MEAN pooling).
+
+    ``own_lrs``: table ``t_cat_i`` gets an SGD of its own at ``own_lrs[i]``, as the TorchRec
+    tutorial gives them (``apply_optimizer_in_backward``).
+    """
     torch.manual_seed(3)
     tables = [
         EmbeddingBagConfig(
@@ -173,6 +179,11 @@ def pooled_module() -> TorchRecModule:
         for i in range(2)
     ]
     ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    for i, lr in enumerate(own_lrs):
+        with warnings.catch_warnings():  # TorchRec points to torch's private equivalent
+            warnings.simplefilter("ignore", DeprecationWarning)
+            weight = ebc.embedding_bags[f"t_cat_{i}"].weight
+            apply_optimizer_in_backward(torch.optim.SGD, [weight], {"lr": lr})
     dlrm = DLRM(
         embedding_bag_collection=ebc,
         dense_in_features=13,
