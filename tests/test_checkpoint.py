@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import shutil
 from pathlib import Path
@@ -28,6 +29,7 @@ from lightning_torchrec.checkpoint.consolidate import (
     read_plain,
 )
 from lightning_torchrec.checkpoint.manifest import MANIFEST_FILE, file_checksum
+from lightning_torchrec.checkpoint.outputs import OwnedTemp
 from lightning_torchrec.errors import CheckpointMismatchError
 from lightning_torchrec.training.optim import optimizer_steps, set_optimizer_steps
 from tests.scripts.factory import adam, cpu_trainer, table_wise, tiny_data, tiny_dlrm
@@ -371,3 +373,18 @@ def test_a_second_optimizer_of_manual_optimization_is_checkpointed_and_resumed(
     assert momentum[0].keys() == momentum[1].keys() and momentum[0]
     for key, value in momentum[1].items():
         assert torch.equal(momentum[0][key], value), key
+
+
+def test_command_outputs_get_the_mode_of_any_new_file(tmp_path: Path) -> None:
+    # A consolidated file or an exported artifact is read by a server run by another account.
+    umask = os.umask(0o027)
+    try:
+        with OwnedTemp(tmp_path / "model.pt2") as temp:
+            assert temp.path.stat().st_mode & 0o777 == 0o600  # private while it is written
+            temp.path.write_bytes(b"artifact")
+        with pytest.raises(RuntimeError), OwnedTemp(tmp_path / "failed.pt2") as temp:
+            raise RuntimeError("export failed")
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "model.pt2").stat().st_mode & 0o777 == 0o640
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt2"]

@@ -192,6 +192,8 @@ def test_data_module_preprocesses_tsv_once(criteo_dir: Path, tmp_path: Path) -> 
     dm = CriteoDataModule(
         str(criteo_dir), num_embeddings=500, batch_size=128, cache_dir=str(tmp_path / "cache")
     )
+    with pytest.raises(ValueError, match="TSV files that are not preprocessed yet: call prepare"):
+        dm.train_dataloader()
     dm.prepare_data()
     mtime = (tmp_path / "cache" / "day_0_dense.npy").stat().st_mtime_ns
     dm.prepare_data()

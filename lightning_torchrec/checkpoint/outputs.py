@@ -51,7 +51,8 @@ class OwnedTemp:
     """A temporary file beside ``output`` that becomes ``output`` on success, else vanishes.
 
     Use as a context manager; write to :attr:`path`. The file is created exclusively (a fresh
-    random name), so nothing that existed is ever overwritten or deleted by it.
+    random name), so nothing that existed is ever overwritten or deleted by it; the output gets
+    the mode of any new file (``0666`` less the umask).
 
     Args:
         output: the final file.
@@ -76,6 +77,11 @@ class OwnedTemp:
         traceback: TracebackType | None,
     ) -> None:
         if kind is None:
+            # mkstemp makes the file private (0600); the output gets the usual mode of a new
+            # file (0666 less the umask), so a server run by another account can read it.
+            umask = os.umask(0o022)
+            os.umask(umask)
+            self.path.chmod(0o666 & ~umask)
             os.replace(self.path, self.output)
         else:
             self.path.unlink(missing_ok=True)

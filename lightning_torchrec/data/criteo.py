@@ -303,6 +303,11 @@ class CriteoDataModule(ResumableDataModule):
 
     def _days(self) -> list[Path]:
         days = find_day_files(self.npy_dir)
+        if not days and find_tsv_files(self.path):
+            raise ValueError(
+                f"{self.path} holds Criteo TSV files that are not preprocessed yet: call "
+                "prepare_data() first (the Trainer does), then setup()"
+            )
         if len(days) < 2:
             raise ValueError(
                 f"{self.npy_dir} has {len(days)} day(s): Criteo needs training days and a last "
