@@ -141,7 +141,15 @@ LAYERS: tuple[Layer, ...] = (
 )
 
 #: Top-level modules of the application layer (the other layers are named by their module).
-APP_MODULES = ("__init__", "architecture", "consolidate", "demo", "demo_fabric", "demo_seq")
+APP_MODULES = (
+    "__init__",
+    "architecture",
+    "consolidate",
+    "criteo",
+    "demo",
+    "demo_fabric",
+    "demo_seq",
+)
 
 #: The only layers that may import ``compat.lightning*`` (Lightning's private names).
 LIGHTNING_PRIVATE_USERS = ("lightning", "app")

@@ -386,3 +386,18 @@ def test_demo_trains_on_criteo_files_and_reports_metrics(click_files: Path, tmp_
     words = line.removeprefix("final validation ").replace(",", "").split()
     values = dict(zip(words[::2], words[1::2], strict=True))
     assert float(values["AUROC"]) > 0.5 and 0 < float(values["NE"]) < 1.2, line
+
+
+def test_preprocess_command_runs_as_documented(criteo_dir: Path, tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_torchrec.criteo", "preprocess", str(criteo_dir)]
+        + [str(tmp_path / "npy"), "--num-embeddings-per-feature", "500"],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert "day_1_{dense,sparse,labels}.npy: 3001 rows" in proc.stdout
+    assert "Warning" not in proc.stderr, proc.stderr  # runpy's "found in sys.modules" one
+    sparse = np.load(tmp_path / "npy" / "day_0_sparse.npy")
+    assert sparse.dtype == np.int32 and int(sparse.max()) < 500

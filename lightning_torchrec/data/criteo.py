@@ -339,13 +339,14 @@ class CriteoDataModule(ResumableDataModule):
         )
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m lightning_torchrec.data.criteo preprocess IN OUT_DIR [options]``.
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> None:
+    """``python -m lightning_torchrec.criteo preprocess IN OUT_DIR [options]``.
 
     Args:
         argv: the arguments (defaults to ``sys.argv[1:]``).
+        prog: the command's name in its messages.
     """
-    parser = argparse.ArgumentParser(prog="python -m lightning_torchrec.data.criteo")
+    parser = argparse.ArgumentParser(prog=prog or "python -m lightning_torchrec.criteo")
     sub = parser.add_subparsers(dest="command", required=True)
     pre = sub.add_parser("preprocess", help="Criteo TSV files -> TorchRec npy days (streaming)")
     pre.add_argument("input", help="a directory of day_N / *.tsv / train.txt files, or one file")
