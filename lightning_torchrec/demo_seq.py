@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from jsonargparse import lazy_instance
 from lightning.pytorch.cli import LightningCLI
 from torchrec.distributed.planner.types import ParameterConstraints
 
@@ -60,7 +59,17 @@ TRAINER_DEFAULTS: dict[str, Any] = {
 
 
 class SequenceCLI(LightningCLI):
-    """LightningCLI that sizes the model's item table and history from the data."""
+    """LightningCLI that sizes the model's item table and history from the data.
+
+    Args:
+        *args: LightningCLI's.
+        sharding: how the item table is sharded (``--sharding``).
+        **kwargs: LightningCLI's.
+    """
+
+    def __init__(self, *args: Any, sharding: str = "table_wise", **kwargs: Any) -> None:
+        self.sharding = sharding
+        super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         """Links ``num_items`` and ``max_length`` from the data module to the model.
@@ -68,6 +77,12 @@ class SequenceCLI(LightningCLI):
         Args:
             parser: the CLI's parser.
         """
+        parser.add_argument(  # taken out of the arguments first (split_sharding); for --help
+            "--sharding",
+            choices=SHARDING_TYPES,
+            default="table_wise",
+            help="How the item table is sharded over the ranks.",
+        )
         parser.link_arguments("data.num_items", "model.num_items", apply_on="instantiate")
         parser.link_arguments("data.max_length", "model.max_length")
         parser.set_defaults(
@@ -76,6 +91,34 @@ class SequenceCLI(LightningCLI):
                 "model.optimizer": {"class_path": "torch.optim.Adam", "init_args": {"lr": 0.003}},
             }
         )
+
+    def parse_arguments(self, parser: Any, args: Any) -> None:
+        """Parses ``args``: the command line less ``--sharding`` (no warning that both are given).
+
+        Args:
+            parser: the CLI's parser.
+            args: the arguments.
+        """
+        self.config = parser.parse_args(args)
+
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        """The Trainer, with the demo's strategy unless ``--trainer.strategy`` names another.
+
+        The strategy's planner constraints are objects a config file cannot hold, so they are
+        given here rather than as a default.
+
+        Args:
+            **kwargs: LightningCLI's.
+
+        Returns:
+            The Trainer.
+        """
+        if self.config["trainer"]["strategy"] == "torchrec":
+            constraint = ParameterConstraints(sharding_types=[self.sharding], min_partition=16)
+            kwargs["strategy"] = TorchRecStrategy(
+                constraints={"t_item": constraint}, fused_params={"learning_rate": 0.05}
+            )
+        return super().instantiate_trainer(**kwargs)
 
 
 def split_sharding(args: list[str]) -> tuple[str, list[str]]:
@@ -150,18 +193,11 @@ def main(args: list[str] | None = None) -> SequenceCLI:
     generated = not any(a.startswith("--data.path") for a in args)
     if generated and not DEFAULT_DATA.exists() and os.environ.get("LOCAL_RANK", "0") == "0":
         write_cycle_ratings(DEFAULT_DATA, **GENERATED)
-    constraint = ParameterConstraints(sharding_types=[kind], min_partition=16)
     cli = SequenceCLI(
         SASRecModule,
         MovieLensSequenceData,
-        trainer_defaults={
-            **TRAINER_DEFAULTS,
-            "strategy": lazy_instance(
-                TorchRecStrategy,
-                constraints={"t_item": constraint},
-                fused_params={"learning_rate": 0.05},
-            ),
-        },
+        sharding=kind,
+        trainer_defaults={**TRAINER_DEFAULTS, "strategy": "torchrec"},  # see instantiate_trainer
         seed_everything_default=0,
         # The strategy's constraints are objects, not a config file's values.
         save_config_callback=None,
