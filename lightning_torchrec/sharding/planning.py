@@ -232,10 +232,10 @@ class ShardedModel(NamedTuple):
 def _reuse(sharded: ShardedModel, fused_params: dict[str, Any] | None) -> ShardedModel:
     """The model sharded by an earlier call, with a new fused learning rate if one is given."""
     lr = (fused_params or {}).get("learning_rate")
-    optimizer = sharded.dmp.fused_optimizer
-    own = sharded.own_optimizers  # tables keep the learning rate of their own optimizer
-    kept = {id(g) for g, k in fused_param_groups(optimizer) if own & set(kernel_tables(k))}
     if lr is not None:
+        optimizer = sharded.dmp.fused_optimizer
+        own = sharded.own_optimizers  # tables keep the learning rate of their own optimizer
+        kept = {id(g) for g, k in fused_param_groups(optimizer) if own & set(kernel_tables(k))}
         for group in optimizer.param_groups:
             if id(group) not in kept:
                 group["lr"] = lr

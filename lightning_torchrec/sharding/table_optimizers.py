@@ -39,7 +39,7 @@ from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
 from lightning_torchrec.compat.fused import in_backward_optimizers
 from lightning_torchrec.sharding.setup_checks import CPU_FUSED_OPTIMIZERS
 from lightning_torchrec.sharding.sharders import FUSED_KERNELS
-from lightning_torchrec.sharding.tables import embedding_modules, table_of_key, unwrap
+from lightning_torchrec.sharding.tables import embedding_tables, table_of_key
 
 #: What TorchRec fuses into its embedding kernels (``optimizer_type_to_emb_opt_type``).
 FUSABLE = (
@@ -89,12 +89,9 @@ def table_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     Returns:
         ``{table name: weight}`` in model order.
     """
-    root = unwrap(model)
     found: dict[str, nn.Parameter] = {}
-    for path in embedding_modules(model):
-        module = root.get_submodule(path) if path else root
-        for key, param in module.named_parameters():
-            found.setdefault(table_of_key(key), param)
+    for key, param in embedding_tables(model).items():
+        found.setdefault(table_of_key(key), param)
     return found
 
 
