@@ -232,5 +232,7 @@ def test_tables_with_their_own_learning_rate_resume_it_on_one_rank(run: Path) ->
     opt = trainer.optimizers[0]
     assert kernel_lrs(opt.fused) == pytest.approx([lr / 6 for lr in OWN_LRS])  # step 6's
     assert [g["lr"] for g in opt.param_groups] == pytest.approx([1e-2 / 7, 0.1 / 7, 0.02 / 7])
+    # Labels of this plan's kernels, not those saved by the two ranks' kernels.
+    assert [g.get("name") for g in opt.param_groups] == [None, "tables:t_cat_0", "tables:t_cat_1"]
     (scheduler,) = (c.scheduler for c in trainer.lr_scheduler_configs)
     assert scheduler.base_lrs == pytest.approx([1e-2, *OWN_LRS])

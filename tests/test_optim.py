@@ -6,17 +6,23 @@ gloo group (one fused table-wise table, one data-parallel table, a dense layer).
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 import torch
+from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.optim.keyed import KeyedOptimizer
 
+from lightning_torchrec import TorchRecStrategy
 from lightning_torchrec.compat.upstream import fused_kernels, kernel_learning_rate
 from lightning_torchrec.sharding.planning import maybe_shard_model
 from lightning_torchrec.training.optim import (
     DenseAndFusedOptimizer,
+    _name_fused_groups,
     combine_optimizers,
     combine_with_schedulers,
     dense_named_parameters,
@@ -29,7 +35,14 @@ from lightning_torchrec.training.optim import (
     set_optimizer_steps,
 )
 from tests.helpers import one_rank_group  # noqa: F401 - a fixture
-from tests.scripts.factory import sharding_constraints
+from tests.scripts.factory import (
+    Capture,
+    cpu_trainer,
+    pooled_module,
+    sharding_constraints,
+    table_wise,
+    tiny_data,
+)
 
 FUSED_KEY = "ebc.embedding_bags.tw.weight"
 DP_KEY = "ebc.embedding_bags.dp.weight"
@@ -213,3 +226,42 @@ def test_keyed_optimizer_unwraps_lightning_and_refuses_plain_torch() -> None:
     for wrapped in (plain, LightningOptimizer(plain)):
         with pytest.raises(TypeError, match="got SGD.*combine_optimizers"):
             keyed_optimizer(wrapped)
+
+
+def test_learning_rate_monitor_names_fused_groups_by_their_tables(tmp_path: Path) -> None:
+    # It named them by position (pg2, pg3): which tables a curve belonged to depended on the plan.
+    module = pooled_module(own_lrs=(0.1, 0.02))
+    strategy = TorchRecStrategy(constraints=table_wise(2), log_plan=False)
+    logger = Capture()
+    trainer = cpu_trainer(
+        strategy,
+        max_steps=2,
+        limit_val_batches=0,
+        logger=logger,
+        log_every_n_steps=1,
+        callbacks=[LearningRateMonitor(logging_interval="step")],
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module, datamodule=tiny_data(40, 2, batch_size=16, train_batches=4, seed=2))
+    logged = logger.metrics[0]
+    prefix = "lr-DenseAndFusedOptimizer"
+    assert logged[f"{prefix}/pg1"] == pytest.approx(1e-2)  # the dense group keeps its name
+    assert logged[f"{prefix}/tables:t_cat_0"] == pytest.approx(0.1)
+    assert logged[f"{prefix}/tables:t_cat_1"] == pytest.approx(0.02)
+
+
+def test_fused_group_names_are_short_and_unique() -> None:
+    def kernel(*tables: str) -> SimpleNamespace:
+        return SimpleNamespace(table_names=list(tables))
+
+    many = [f"t{i}" for i in range(6)]
+    groups: list[dict] = [{}, {}, {}, {}, {"name": "mine"}]
+    kernels = [kernel(*many), kernel(*many), kernel("a", "a", "b"), kernel(), kernel("c")]
+    _name_fused_groups(list(zip(groups, kernels, strict=True)), dense=1)
+    assert [g.get("name") for g in groups] == [
+        "tables:t0,t1,t2,t3,+2 more",
+        "tables:t0,t1,t2,t3,+2 more (pg3)",  # LearningRateMonitor refuses two alike
+        "tables:a,b",  # a column-wise table's shards name it once
+        None,  # a kernel built without names: Lightning's pgN
+        "mine",  # a name given by the user stays
+    ]

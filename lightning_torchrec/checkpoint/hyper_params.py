@@ -32,6 +32,7 @@ from lightning_torchrec.compat.upstream import (
 )
 from lightning_torchrec.errors import CheckpointCorruptError
 from lightning_torchrec.training.optim import (
+    GROUP_NAME,
     DenseAndFusedOptimizer,
     optimizer_steps,
     set_optimizer_steps,
@@ -123,7 +124,7 @@ def run_record(optimizers: list[KeyedOptimizer]) -> list[dict[str, Any]]:
 
 
 def _values(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k != "params"}
+    return {k: v for k, v in group.items() if k not in ("params", GROUP_NAME)}
 
 
 def merge_run_records(records: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -222,7 +223,7 @@ def apply_hyper_params(
         if values is None and position >= current[0]:
             values = record["fused_group"]
         for k, v in (values or {}).items():
-            if k in group:
+            if k in group and k != GROUP_NAME:  # a label of the saved plan's grouping
                 group[k] = v
 
 

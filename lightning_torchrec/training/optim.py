@@ -18,7 +18,7 @@ from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from lightning_torchrec.compat.fused import fused_param_groups
+from lightning_torchrec.compat.fused import fused_param_groups, kernel_tables
 from lightning_torchrec.compat.upstream import fused_kernels, kernel_step, set_kernel_step
 
 DENSE_KEY = "dense"
@@ -27,6 +27,12 @@ FUSED_KEY = "embedding"
 #: (``OneCycleLR``/``CyclicLR`` cycle ``momentum`` or ``betas``): a fused group carries its
 #: kernel's values of those the dense optimizer has.
 KERNEL_VALUES = ("momentum", "betas", "weight_decay", "eps")
+#: A param group's label (``LearningRateMonitor`` names a group by it): a fused group's is
+#: ``"tables:"`` and the tables its kernel holds. A label, not a hyper-parameter: checkpoints
+#: never restore it (another plan groups the tables differently).
+GROUP_NAME = "name"
+#: How many table names a fused group's label lists before it counts the rest.
+NAMED_TABLES = 4
 
 
 def is_fused_parameter(param: torch.Tensor) -> bool:
@@ -124,6 +130,7 @@ class DenseAndFusedOptimizer(CombinedOptimizer):
             for key in KERNEL_VALUES:
                 if key in self.defaults and key in values:
                     group.setdefault(key, values[key])
+        _name_fused_groups(self.fused_groups(), len(self.dense.param_groups))
 
     @property
     def dense(self) -> KeyedOptimizer:
@@ -172,6 +179,22 @@ class DenseAndFusedOptimizer(CombinedOptimizer):
         """
         if self.fused is not None:
             self.fused.zero_grad()
+
+
+def _name_fused_groups(groups: list[tuple[dict[str, Any], Any]], dense: int) -> None:
+    """Labels each fused group by its kernel's tables (``"tables:t_user,t_item"``), unique."""
+    taken: set[str] = set()
+    for position, (group, kernel) in enumerate(groups):
+        tables = list(dict.fromkeys(kernel_tables(kernel)))
+        if not tables or GROUP_NAME in group:
+            continue
+        label = "tables:" + ",".join(tables[:NAMED_TABLES])
+        if len(tables) > NAMED_TABLES:
+            label += f",+{len(tables) - NAMED_TABLES} more"
+        if label in taken:  # never two alike: LearningRateMonitor refuses duplicate names
+            label += f" (pg{dense + position + 1})"
+        taken.add(label)
+        group[GROUP_NAME] = label
 
 
 def kernel_values(kernel: Any) -> dict[str, Any]:
