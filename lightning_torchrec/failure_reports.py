@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import sys
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -33,6 +34,11 @@ from lightning_torchrec.errors import PeerFailureError
 
 #: The store keys: each rank's run count, and each run's reports (one JSON line each).
 RUNS_KEY, KEY = "lightning_torchrec/runs/{rank}", "lightning_torchrec/failures/{run}"
+#: A meeting's keys: each rank's count of meetings in a run, and what each rank posted at one.
+MEETINGS_KEY, MEETING_KEY = (
+    "lightning_torchrec/meetings/{run}/{rank}",
+    "lightning_torchrec/meeting/{run}/{index}/{rank}",
+)
 #: What a report keeps of a long message: its head and its tail (a worker's error ends with it).
 HEAD_CHARS, TAIL_CHARS = 300, 700
 
@@ -218,3 +224,50 @@ def _as_peer_error(kind: type | None, text: str) -> PeerFailureError:
     except Exception:  # noqa: BLE001 - a type that takes other arguments, or cannot be mixed
         return PeerFailureError(text)
     return error if str(error) == text else PeerFailureError(text)
+
+
+def meet(
+    state: dict[str, Any],
+    world: int,
+    timeout: timedelta,
+    rank: int | None = None,
+    store: Any = None,
+) -> list[dict[str, Any] | None]:
+    """Posts this rank's ``state`` at the run's next meeting; waits, bounded, for every rank's.
+
+    A meeting runs through the store, not a process group: it works when the ranks' collectives
+    are out of step (a rank interrupted after starting one its peers never started), and every
+    rank stops waiting after ``timeout`` on its own (a monitored barrier bounds rank 0's wait
+    only). The ranks meet in the same order, so their meeting counts agree.
+
+    Args:
+        state: what this rank tells the others (JSON-serialisable).
+        world: the number of ranks.
+        timeout: the longest this rank waits.
+        rank: this rank (default: the default group's).
+        store: the store (default: the default process group's).
+
+    Returns:
+        Every rank's ``state`` by rank; None for a rank that did not post in time (and for every
+        other rank when the store cannot be reached).
+    """
+    me = _rank(rank)
+    alone: list[dict[str, Any] | None] = [state if r == me else None for r in range(world)]
+    store = store if store is not None else default_store()
+    if store is None:
+        return alone
+    try:
+        run = store.add(RUNS_KEY.format(rank=me), 0)
+        index = store.add(MEETINGS_KEY.format(run=run, rank=me), 1)
+        keys = [MEETING_KEY.format(run=run, index=index, rank=r) for r in range(world)]
+        store.set(keys[me], json.dumps(state))
+        try:
+            store.wait(keys, timeout)
+        except Exception:  # noqa: BLE001 - who came is read below
+            pass
+        posts: list[dict[str, Any] | None] = []
+        for key in keys:
+            posts.append(json.loads(bytes(store.get(key))) if store.check([key]) else None)
+    except Exception:  # noqa: BLE001 - the rank holding the store is gone
+        return alone
+    return posts

@@ -165,6 +165,23 @@ def test_a_rank_stopping_alone_is_named_by_the_others(tmp_path: Path) -> None:
     ) in peer["message"]
 
 
+def test_ctrl_c_reaching_the_ranks_at_different_points_refuses_the_save_on_both(
+    tmp_path: Path,
+) -> None:
+    # Rank 1 had started the next step's vote, rank 0 not: the save's broadcast paired with
+    # that vote and both ranks hung until the collective timeout (30 minutes by default).
+    started = time.monotonic()
+    proc = _launch(tmp_path, "interrupt_apart")
+    assert proc.returncode != 0
+    assert time.monotonic() - started < 50  # not the meeting's minute either
+    for rank in (0, 1):
+        r = torch.load(tmp_path / f"interrupt_apart_final_rank{rank}.pt", weights_only=False)
+        assert r["error"] == "MidStepCheckpointError", r
+        assert "the ranks stopped at different points of a step" in r["message"]
+        assert f"rank {rank}: refusing to save the checkpoint" in r["message"]
+    assert not any((tmp_path / "interrupt_apart").glob("*"))
+
+
 def test_sigterm_on_rank1_saves_a_complete_checkpoint_and_the_run_resumes(
     preempted: tuple[Path, Any], phases: Path
 ) -> None:

@@ -1,8 +1,11 @@
-"""The job's own key-value store, which torch.distributed keeps behind a private accessor.
+"""What torch.distributed keeps behind private accessors: the job's store, collective counts.
 
-Every rank of a process group reaches the store it rendezvoused in (the TCPStore served by rank 0
-or by torchrun's agent). torch has no public getter for the default group's store; this one
-reads it through ``distributed_c10d._get_default_store`` (present since torch 1.x).
+* Every rank of a process group reaches the store it rendezvoused in (the TCPStore served by
+  rank 0 or by torchrun's agent). torch has no public getter for the default group's store; this
+  one reads it through ``distributed_c10d._get_default_store`` (present since torch 1.x).
+* A process group counts the collectives started on it (its sequence number,
+  ``ProcessGroup._get_sequence_number_for_group``, torch 1.10+, gloo and nccl): ranks that
+  started different numbers cannot run one more collective together.
 """
 
 from __future__ import annotations
@@ -24,4 +27,22 @@ def default_store() -> Any:
     try:
         return distributed_c10d._get_default_store()
     except (RuntimeError, ValueError):
+        return None
+
+
+def collective_count(group: Any = None) -> int | None:
+    """How many collectives this rank has started on ``group`` (default: the default group).
+
+    Args:
+        group: a process group, or None for the default one.
+
+    Returns:
+        The count, or None where the group does not keep one (or there is no group).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        chosen = group if group is not None else distributed_c10d._get_default_group()
+        return int(chosen._get_sequence_number_for_group())
+    except (AttributeError, RuntimeError, ValueError):
         return None

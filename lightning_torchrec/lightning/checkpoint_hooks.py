@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
@@ -33,11 +32,13 @@ from lightning_torchrec.checkpoint import (
 )
 from lightning_torchrec.checkpoint.hyper_params import scheduler_state
 from lightning_torchrec.checkpoint.limits import CheckpointLimits
+from lightning_torchrec.compat.c10d import collective_count
 from lightning_torchrec.errors import (
     MidStepCheckpointError,
     NonFiniteCheckpointError,
     PeerFailureError,
 )
+from lightning_torchrec.failure_reports import meet
 from lightning_torchrec.lightning.mid_epoch import (
     POSITION_KEY,
     epoch_position,
@@ -50,6 +51,16 @@ from lightning_torchrec.training.optim import keyed_optimizer
 
 #: The longest a rank waits for the others at a save asked for while handling an exception.
 SAVE_MEETING = timedelta(minutes=1)
+
+
+def _mid_step(rank: int, step: Any, ranks: list[int]) -> str:
+    return (
+        f"rank {rank}: refusing to save a checkpoint at global step {step}: the fused embedding "
+        f"tables of rank(s) {ranks} already hold this step's update (they update inside the "
+        "backward pass) but the dense optimizer has not stepped, so it would not resume "
+        "exactly. Save between steps (ModelCheckpoint, PreemptionCheckpoint); the last "
+        "checkpoint written stays the last good one."
+    )
 
 
 def attached_trainer(module: Any) -> Any:
@@ -185,20 +196,15 @@ class ShardedCheckpointing:
         # DDP; a save there is Lightning's (a validation's) own.
         accumulating = getattr(trainer, "accumulate_grad_batches", 1) > 1
         ahead = self.tables_ahead and (interrupted or not accumulating)
-        if ahead and has_fused_tables(self._plan):
-            raise MidStepCheckpointError(
-                f"rank {self.global_rank}: refusing to save a checkpoint at global step "
-                f"{getattr(trainer, 'global_step', '?')}: the fused embedding tables already hold "
-                "this step's update (they update inside the backward pass) but the dense "
-                "optimizer has not stepped, so it would not resume exactly. Save between steps "
-                "(ModelCheckpoint, PreemptionCheckpoint); the last checkpoint written stays the "
-                "last good one."
-            )
+        ahead = ahead and has_fused_tables(self._plan)
+        step = getattr(trainer, "global_step", "?")
         if interrupted and self.world_size > 1:
             handling = sys.exception()  # the peers are told first, in case no rank comes
             if handling is not None:
                 self.report_failure(handling)
-            self._meet_to_save()  # an exception's save: every rank must be there
+            self._meet_to_save(step, ahead)  # every rank, at the same point of a step
+        if ahead:
+            raise MidStepCheckpointError(_mid_step(self.global_rank, step, [self.global_rank]))
         if self._runner is not None:  # a batch judged a step late never reaches a checkpoint
             self._runner.settle()
         # Rank 0's path and position within the epoch, for every rank (one broadcast).
@@ -228,29 +234,54 @@ class ShardedCheckpointing:
                 self._runner.explain()  # its vote is decided after this step's checkpoint
             raise
 
-    def _meet_to_save(self) -> None:
+    def _meet_to_save(self, step: Any, ahead: bool) -> None:
         """Waits, bounded, for every rank to reach a save asked for while handling an exception.
 
-        ``OnExceptionCheckpoint`` saves from the failing rank's exception handler; when another
-        rank did not fail, it is still in a step, waiting for this one, and would never join
-        the save's collectives (both ranks hung until the collective timeout). A monitored
-        barrier on the host group (gloo) says within ``peer_timeout`` (at most a minute)
-        whether every rank is here.
+        ``OnExceptionCheckpoint`` saves from the failing rank's exception handler. A rank that
+        did not fail is still in a step, waiting for this one, and never joins the save's
+        collectives; and ranks that all failed (Ctrl-C reaches every rank) may have stopped at
+        different points of a step, one having started a collective the others never will, so
+        the save's first collective would pair with it and hang. The ranks meet through the
+        store (:func:`~lightning_torchrec.failure_reports.meet`), each waiting at most
+        ``peer_timeout`` (at most a minute), and compare how many collectives each started.
+
+        Args:
+            step: the global step, for the messages.
+            ahead: whether this rank's fused tables hold an update its dense weights lack.
 
         Raises:
             PeerFailureError: if some rank did not come: nothing is written.
+            MidStepCheckpointError: on every rank, if some rank's tables are ahead of its dense
+                weights or the ranks stopped at different points of a step: nothing is written.
         """
         wait = min(self.peer_timeout or SAVE_MEETING, SAVE_MEETING)
-        group = self._host_group
-        try:
-            dist.monitored_barrier(group=group, timeout=wait, wait_all_ranks=True)
-        except RuntimeError as err:
+        counts = [collective_count(), collective_count(self._host_group)]
+        mine = {"counts": counts, "ahead": ahead, "step": step}
+        posts = meet(mine, self.world_size, wait, self.global_rank)
+        missing = [r for r, post in enumerate(posts) if post is None]
+        if missing:
             raise PeerFailureError(
                 f"rank {self.global_rank}: the checkpoint asked for while handling an exception "
-                f"was not written: not every rank reached it within {wait} (a rank that did not "
-                "fail is still in a step, waiting for the failed one, or has stopped). The last "
-                f"checkpoint written stays the last good one. ({str(err).splitlines()[0][:200]})"
-            ) from err
+                f"was not written: rank(s) {missing} did not reach it within {wait} (a rank that "
+                "did not fail is still in a step, waiting for the failed one, or has stopped). "
+                "The last checkpoint written stays the last good one."
+            )
+        found = [post for post in posts if post is not None]
+        ranks = [r for r, post in enumerate(found) if post.get("ahead")]
+        steps = [post.get("step") for post in found]
+        if len(set(map(str, steps))) > 1:  # a rank that finished its step, one that did not
+            step = f"{min(map(str, steps))} or later (by rank: {steps})"
+        if ranks:
+            raise MidStepCheckpointError(_mid_step(self.global_rank, step, ranks))
+        started = [post.get("counts") for post in found]
+        if any(c != started[0] for c in started):
+            raise MidStepCheckpointError(
+                f"rank {self.global_rank}: refusing to save the checkpoint asked for while "
+                f"handling an exception at global step {step}: the ranks stopped at different "
+                "points of a step (collectives started on the default and host groups, by "
+                f"rank: {started}), so the save's own collectives could not be matched. Nothing "
+                "is written; the last checkpoint written stays the last good one."
+            )
 
     @override
     def load_checkpoint(

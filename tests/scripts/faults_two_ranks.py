@@ -11,6 +11,9 @@
 * ``raise_one``: rank 1's ``training_step`` raises at step 3; rank 0 must raise an error of the
   same type naming it. ``raise_setup``: the same from a callback's ``setup`` on rank 1.
 * ``stop_one``: ``trainer.should_stop`` set on rank 1 alone: rank 0 must name it.
+* ``interrupt_apart``: Ctrl-C reaches the ranks at different points of step 3 (rank 0 right
+  after its forward, rank 1 after it also started the next step's vote), with an
+  ``OnExceptionCheckpoint``: both must refuse the save, promptly, instead of hanging in it.
 * ``preempt``: rank 1 receives SIGTERM at step 5: every rank saves ``OUT/preempted.ckpt`` and
   exits; ``resume`` (or ``phases``, first, when that checkpoint exists) continues from it to
   step 8.
@@ -42,6 +45,8 @@ from lightning_torchrec import DLRMClickModule, PeerFailureError, TorchRecStrate
 from lightning_torchrec.lightning.preemption import PreemptionCheckpoint
 
 OUT, MODE = Path(sys.argv[1]), sys.argv[2]
+#: The modes whose ranks record what they raised (then raise it).
+RECORDED = ("kill", "onexc_one", "stop_one", "interrupt_apart")
 ROWS = 20
 
 
@@ -58,6 +63,8 @@ class Faulty(DLRMClickModule):
             loss = loss * float("nan")
         if self.global_rank == 1 and self.global_step == self.at and self.fault == "raise":
             raise Boom(f"a bug in rank 1's training_step at step {self.at}")
+        if self.global_rank == 0 and self.global_step == self.at and self.fault == "interrupt":
+            raise KeyboardInterrupt  # after the forward, before the strategy starts its vote
         return loss
 
 
@@ -68,13 +75,15 @@ class Boom(RuntimeError):
 class RaiseAt(Callback):
     """Raises :class:`Boom` at step ``at`` on the ``ranks``, in hook ``hook``."""
 
-    def __init__(self, hook: str, at: int, ranks: tuple[int, ...]) -> None:
-        self.at, self.ranks = at, ranks
+    def __init__(self, hook: str, at: int, ranks: tuple[int, ...], interrupt: bool = False) -> None:
+        self.at, self.ranks, self.interrupt = at, ranks, interrupt
         setattr(self, hook, self._maybe_raise)
 
     def _maybe_raise(self, *args: Any, **kwargs: Any) -> None:
         trainer = kwargs.get("trainer") or args[0]  # Lightning calls `setup` by keyword
         if trainer.global_rank in self.ranks and trainer.global_step == self.at:
+            if self.interrupt:  # as Ctrl-C raises it
+                raise KeyboardInterrupt
             raise Boom(f"rank {trainer.global_rank} fails at step {self.at}")
 
 
@@ -107,7 +116,7 @@ class RecordError(Callback):
         self.phase = phase
 
     def on_exception(self, trainer: L.Trainer, pl_module: Any, exception: BaseException) -> None:
-        if MODE in ("kill", "onexc_one", "stop_one") or MODE.startswith("raise_"):
+        if MODE in RECORDED or MODE.startswith("raise_"):
             result = {"error": type(exception).__name__, "message": str(exception)}
             result["peer_failure"] = isinstance(exception, PeerFailureError)
             result["boom"] = isinstance(exception, Boom)
@@ -201,7 +210,7 @@ def run(
             trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
     except (Exception, SIGTERMException) as e:  # recorded for the parent's assertions
         result = {"error": type(e).__name__, "message": str(e)}
-        if MODE in ("kill", "onexc_one", "stop_one") or MODE.startswith("raise_"):
+        if MODE in RECORDED or MODE.startswith("raise_"):
             name = phase if MODE == "kill" else f"{phase}_final"  # onexc_one: after on_exception
             torch.save(result, OUT / f"{name}_rank{trainer.global_rank}.pt")
             raise
@@ -244,6 +253,10 @@ def main() -> None:
         saver = OnExceptionCheckpoint(OUT / "onexc_one")
         raise_ = RaiseAt("on_train_batch_start", 3, (1,))
         run("onexc_one", "", at=-1, extra=[raise_, saver], peer_timeout=timedelta(seconds=5))
+    elif MODE == "interrupt_apart":
+        saver = OnExceptionCheckpoint(OUT / "interrupt_apart")
+        later = RaiseAt("on_before_zero_grad", 3, (1,), interrupt=True)  # vote started
+        run("interrupt_apart", "interrupt", at=3, extra=[later, saver])
     elif MODE == "preempt":
         run(
             "preempt",
