@@ -9,13 +9,19 @@ run must also equal TorchRec's own ``progress()`` loop on the same model, data a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
 import torch
+from torch import nn
+from torch.utils.data import DataLoader
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 
-from lightning_torchrec import TorchRecStrategy
+from lightning_torchrec import TorchRecStrategy, combine_optimizers, dense_parameters
+from lightning_torchrec.data.batch import TensorFields
 from tests.helpers import assert_same, load_ranks, run_script
 from tests.scripts.factory import QUIET, tiny_data
 
@@ -139,3 +145,71 @@ def test_semi_sync_refuses_tables_the_dense_optimizer_updates_naming_them() -> N
     validating = L.Trainer(strategy=strategy, devices=1, **QUIET)
     (metrics,) = validating.validate(tiny_dlrm(), datamodule=tiny_data())
     assert "val/loss" in metrics
+
+
+@dataclass
+class TwoTowerBatch(TensorFields):
+    user: KeyedJaggedTensor
+    item: KeyedJaggedTensor
+    labels: torch.Tensor
+
+
+def _two_tower_batches(n: int, size: int = 8) -> list[TwoTowerBatch]:
+    g = torch.Generator().manual_seed(0)
+
+    def kjt() -> KeyedJaggedTensor:
+        lengths = torch.randint(1, 3, (size,), generator=g)
+        values = torch.randint(0, 30, (int(lengths.sum()),), generator=g)
+        return KeyedJaggedTensor(keys=["id"], values=values, lengths=lengths.int())
+
+    labels = [torch.randint(0, 2, (size,), generator=g).float() for _ in range(n)]
+    return [TwoTowerBatch(kjt(), kjt(), y) for y in labels]
+
+
+class SharedIdTable(L.LightningModule):
+    """Users and items share one id table: the collection is called twice per forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        table = EmbeddingBagConfig(name="ids", embedding_dim=4, num_embeddings=30)
+        table.feature_names = ["id"]
+        self.ebc = EmbeddingBagCollection(tables=[table], device=torch.device("meta"))
+        self.user, self.item = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, batch: TwoTowerBatch) -> torch.Tensor:
+        users = self.user(self.ebc(batch.user).values())
+        return (users * self.item(self.ebc(batch.item).values())).sum(1)
+
+    def training_step(self, batch: TwoTowerBatch, batch_idx: int) -> torch.Tensor:
+        return nn.functional.binary_cross_entropy_with_logits(self(batch), batch.labels)
+
+    def validation_step(self, batch: TwoTowerBatch, batch_idx: int) -> None:
+        self.log("val_loss", self.training_step(batch, batch_idx))
+
+    def configure_optimizers(self) -> Any:
+        return combine_optimizers(torch.optim.SGD(dense_parameters(self), lr=0.1), self)
+
+
+def test_a_model_calling_a_sharded_module_twice_trains_unpipelined() -> None:
+    # TorchRec's pipelined forward refused the second call ("Invalid PipelinedForward usage")
+    # and the fit failed; the default pipeline ("auto") takes this path on 2 CPU ranks.
+    weights = []
+    for pipeline in ("sparse_dist", None):
+        L.seed_everything(0)
+        model = SharedIdTable()
+        strategy = TorchRecStrategy(pipeline=pipeline, log_plan=False)
+        trainer = L.Trainer(strategy=strategy, devices=1, max_steps=3, **QUIET)
+        loader = DataLoader(_two_tower_batches(4), batch_size=None)
+        if pipeline is None:
+            trainer.fit(model, train_dataloaders=loader)
+        else:
+            with pytest.warns(UserWarning, match="called twice per forward"):
+                trainer.fit(model, train_dataloaders=loader)
+            assert strategy._runner.training is None  # dropped after the first step
+            with pytest.warns(UserWarning, match="called twice per forward"):  # evaluation's
+                (validated,) = trainer.validate(model, DataLoader(_two_tower_batches(2), None))
+            assert validated["val_loss"] > 0
+        assert trainer.global_step == 3
+        weights.append({k: v.detach().clone() for k, v in model.user.state_dict().items()})
+    assert_same(weights[0], weights[1])  # the first step ran once, unpipelined

@@ -24,10 +24,64 @@ from torchrec.distributed.train_pipeline.train_pipelines import (
 )
 from typing_extensions import override
 
-__all__ = ["ForwardOnlySparseDist", "StagedSemiSync", "pipelined_modules"]
+__all__ = ["ForwardOnlySparseDist", "StagedSemiSync", "called_twice", "pipelined_modules"]
 
 
-class ForwardOnlySparseDist(TrainPipelineSparseDist):
+def called_twice(error: BaseException) -> bool:
+    """Whether ``error`` is TorchRec's refusal of a pipelined module called twice in a forward.
+
+    A pipelined embedding module consumes its batch's input all-to-all at its first call; a
+    second call in the same forward (one collection applied to two KJTs) fails with an
+    ``AssertionError`` raised inside TorchRec's pipelined forward ("Invalid PipelinedForward
+    usage", torchrec 1.8+; a bare assertion there before).
+
+    Args:
+        error: what the first pipelined forward raised.
+
+    Returns:
+        True for that refusal.
+    """
+    if not isinstance(error, AssertionError):
+        return False
+    if "Invalid PipelinedForward usage" in str(error):
+        return True
+    frames = error.__traceback__
+    while frames is not None and frames.tb_next is not None:
+        frames = frames.tb_next
+    where = frames.tb_frame.f_code.co_filename if frames is not None else ""
+    return "train_pipeline" in where and "torchrec" in where
+
+
+class _FirstForwards:
+    """``detach()`` that gives a module called twice per forward its own forward back.
+
+    TorchRec's rewrite lists such a module once per call site (``_pipelined_modules``), and
+    records as its "original" forward at the second site the pipelined one it installed at the
+    first; ``detach()`` restores them in order and leaves the pipelined forward in place (so do
+    its input dists' forwards). Restoring the first recorded forward of each undoes that.
+    """
+
+    def detach(self) -> nn.Module:
+        modules = list(getattr(self, "_pipelined_modules", []))
+        firsts = list(zip(modules, getattr(self, "_original_forwards", []), strict=False))
+        dists = [
+            found._dist
+            for module in modules
+            for _, child in module.named_modules()
+            for found in getattr(child, "_input_dists", [])
+            if hasattr(found, "_dist")
+        ]
+        firsts += zip(dists, getattr(self, "_original_kjt_dist_forwards", []), strict=False)
+        model = super().detach()  # type: ignore[misc]
+        restored: set[int] = set()
+        for owner, forward in firsts:
+            if id(owner) not in restored:
+                restored.add(id(owner))
+                owner.forward = forward
+        return model
+
+
+class ForwardOnlySparseDist(_FirstForwards, TrainPipelineSparseDist):
     """TorchRec's sparse-dist pipeline whose ``progress()`` leaves the backward to the caller.
 
     ``TrainPipelineSparseDist._backward`` is the one step of ``progress()`` that Lightning must
@@ -80,7 +134,7 @@ class _CpuEmbeddingPipelinedForward(EmbeddingPipelinedForward):
             del embeddings.record_stream
 
 
-class StagedSemiSync(TrainPipelineSemiSync):
+class StagedSemiSync(_FirstForwards, TrainPipelineSemiSync):
     """TorchRec's semi-synchronous pipeline, its ``progress()`` cut around Lightning's backward.
 
     ``TrainPipelineSemiSync.progress`` runs, for batch ``i``: the dense forward of ``i`` on

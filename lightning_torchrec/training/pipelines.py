@@ -19,7 +19,8 @@ optimizer step:
 * :class:`SemiSyncPipeline` runs TorchRec's semi-sync ``progress()`` cut in two
   (:class:`~lightning_torchrec.compat.pipelines.StagedSemiSync`): up to the backward inside the
   training step, the tables' backward (their fused update) right after Lightning's backward.
-* A model TorchRec cannot trace (:meth:`SparseDistPipeline.first_step`) trains unpipelined.
+* A model TorchRec cannot trace, or whose forward calls a sharded module twice
+  (:meth:`SparseDistPipeline.first_step`), trains unpipelined.
 * Validation, test and predict run through a forward-only sparse-dist pipeline with the model in
   eval mode (``progress()`` then runs the forward only: the shape of TorchRec's
   ``EvalPipelineSparseDist``, whose fixed ``model(batch)`` forward cannot call
@@ -48,11 +49,16 @@ from torchrec.distributed.types import ShardedModule
 from lightning_torchrec.compat.pipelines import (
     ForwardOnlySparseDist,
     StagedSemiSync,
+    called_twice,
     pipelined_modules,
 )
 from lightning_torchrec.training.pipeline_feed import Lookahead, PipelineFeed
 
 log = logging.getLogger(__name__)
+#: Why TorchRec could not pipeline a model: its forward calls a module twice; or it cannot trace.
+TWICE = "a sharded embedding module is called twice per forward; TorchRec pipelines one call"
+UNTRACED = "TorchRec's tracer of LightningModule.forward(batch) must find the sharded modules'"
+UNTRACED += " inputs as attributes of the batch"
 
 #: The pipelines a strategy takes; ``"auto"`` picks one per device (see :func:`resolve_pipeline`).
 PIPELINES = (None, "auto", "sparse_dist", "semi_sync")
@@ -152,18 +158,10 @@ class _NoOptimizer:
     param_groups: list[dict[str, Any]] = []  # noqa: RUF012 (read-only, always empty)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Does nothing.
-
-        Args:
-            set_to_none: ignored.
-        """
+        """Does nothing (``set_to_none`` is ignored)."""
 
     def step(self, closure: Any = None) -> None:
-        """Does nothing.
-
-        Args:
-            closure: ignored.
-        """
+        """Does nothing (``closure`` is ignored)."""
 
 
 class SparseDistPipeline:
@@ -276,9 +274,9 @@ class SparseDistPipeline:
             step: as for :meth:`train_step`.
 
         Returns:
-            ``(output, None)``; or ``(None, error)`` when TorchRec failed before the forward
-            (e.g. its FX tracer cannot trace ``forward``): the model is detached and the caller
-            runs the step unpipelined.
+            ``(output, None)``; or ``(None, error)`` when TorchRec failed before the forward (its
+            tracer) or at a sharded module's second call in it (on every rank; no weight has
+            changed): the model is detached and the caller runs the step unpipelined.
         """
         ran = []
 
@@ -289,7 +287,7 @@ class SparseDistPipeline:
         try:
             return self.train_step(tracked), None
         except Exception as e:
-            if ran:
+            if ran and not called_twice(e):
                 raise
             self.detach()
             return None, e
@@ -309,14 +307,12 @@ class SparseDistPipeline:
             return self.train_step(step), True
         self.checked = True
         output, error = self.first_step(step)
-        missed = self.unpipelined() if error is None else [repr(error)]
+        missed = self.unpipelined() if error is None else [repr(error)[:300]]
         if missed:
-            message = (
-                f"TorchRec's train pipeline cannot pipeline this model ({missed}): its tracer of "
-                "LightningModule.forward(batch) must find the sharded modules' inputs as "
-                "attributes of the batch. "
-                + ("It runs without the pipeline." if error else "They run unpipelined.")
-            )
+            why = TWICE if error is not None and called_twice(error) else UNTRACED
+            done = "It runs without the pipeline." if error else "They run unpipelined."
+            message = f"TorchRec's train pipeline cannot pipeline this model ({missed}): {why}."
+            message += f" {done}"
             if self.asked:
                 rank_zero_warn(message)
             else:
