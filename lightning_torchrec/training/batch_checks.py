@@ -123,10 +123,16 @@ def _check_kjt(kjt: Any, specs: Mapping[str, FeatureSpec]) -> None:
             f"sparse features {keys} carry {weights.numel()} weights for {values.numel()} ids"
         )
     if weighted and weights is not None and not math.isfinite(float(weights.sum())):
-        pos = int(torch.nonzero(~torch.isfinite(weights))[0])
-        raise BatchValidationError(
-            f"non-finite weight {float(weights[pos])} of id {pos} of sparse features {keys}"
-        )
+        # Only the weights a weighted table reads count (an unweighted table's, or those of a
+        # feature whose weights a feature processor makes, are not read).
+        read = torch.tensor([specs[k].weighted for k in keys], device=weights.device)
+        read = read.repeat_interleave(torch.tensor(kjt.length_per_key(), device=weights.device))
+        bad = torch.nonzero(read & ~torch.isfinite(weights))
+        if bad.numel():
+            pos = int(bad[0])
+            raise BatchValidationError(
+                f"non-finite weight {float(weights[pos])} of id {pos} of sparse features {keys}"
+            )
     if not keys or values.numel() == 0:
         return
     counts = kjt.length_per_key()
@@ -191,7 +197,7 @@ def _check_max_ids(kjt: Any, specs: Mapping[str, FeatureSpec]) -> None:
         raise BatchValidationError(
             f"feature {key!r} (table {spec.table!r}) has {int(part[sample])} ids in "
             f"sample {sample}, more than the {limit} the model reads per sample "
-            f"(max_ids_per_sample); {int((part > limit).sum())} sample(s) of this batch are "
+            f"({spec.max_ids_from}); {int((part > limit).sum())} sample(s) of this batch are "
             "over it. Truncate them in the dataset (e.g. keep a history's last items), or "
             "build the model with a larger limit."
         )
@@ -301,10 +307,11 @@ def validate_batch(
 
     Raises:
         BatchValidationError: for an empty batch, float ids, lengths that do not sum to the
-            number of ids, a sample holding more ids of a feature than the model declares
-            (``FeatureSpec.max_ids``), ids outside ``[0, num_embeddings)`` of their table,
-            keys no table reads, features a table reads that are missing, dense features of
-            the wrong shape or non-finite, labels/weights of the wrong shape or non-finite.
+            number of ids, a sample holding more ids of a feature than the model reads
+            (``FeatureSpec.max_ids``: declared, or its feature processor's position weights),
+            ids outside ``[0, num_embeddings)`` of their table, keys no table reads, features a
+            table reads that are missing, dense features of the wrong shape or non-finite,
+            labels/weights of the wrong shape or non-finite.
     """
     kjts = kjts_of(batch)
     if specs and not kjts:
