@@ -79,6 +79,8 @@ _TARGET = re.compile(
 _SYMBOL_TEXT = re.compile(r"[A-Za-z0-9_.+\-]+")
 _SYMPY_BARE = {"oo", "zoo", "nan", "pi", "E", "true", "false", "True", "False", "None"}
 _GUARD_CALLS = {"size", "stride", "dim", "numel", "storage_offset"}
+_GUARD_FUNCTIONS = {"max", "min"}  # Python's builtins in the namespace torch execs guards in
+_INPUT_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _ATTRIBUTE = re.compile(r"_?[A-Za-z][A-Za-z0-9_]*")
 
 
@@ -117,35 +119,55 @@ def _sympy_ok(node: ast.AST, string_ok: bool = False) -> bool:
     return isinstance(node, ast.operator | ast.unaryop | ast.cmpop | ast.boolop)
 
 
+def _input_ok(node: ast.AST) -> bool:
+    """An input or a part of it, as torch writes its path: ``L['kjt']._lengths``, ``L['x'][0]``."""
+    if isinstance(node, ast.Name):
+        return node.id == "L"
+    if isinstance(node, ast.Subscript):
+        key = node.slice
+        if not isinstance(key, ast.Constant) or isinstance(key.value, bool):
+            return False
+        named = isinstance(key.value, str) and _INPUT_KEY.fullmatch(key.value) is not None
+        return (named or type(key.value) is int) and _input_ok(node.value)
+    if isinstance(node, ast.Attribute):
+        return _ATTRIBUTE.fullmatch(node.attr) is not None and _input_ok(node.value)
+    return False
+
+
 def _guard_ok(node: ast.AST) -> bool:
-    """Comparisons and arithmetic of input sizes: ``L['x']._lengths.size()[0] % 4 == 0``."""
+    """Comparisons and arithmetic of input sizes: ``L['x']._lengths.size()[0] % 4 == 0``.
+
+    Calls are an input's size methods (``L['x'].size()``, ``.stride()``, ...) and ``max`` /
+    ``min`` of two or more such terms (how torch prints sympy's ``Max`` / ``Min``), all with
+    positional arguments only; attributes are only those of an input's path.
+    """
     if isinstance(node, ast.Expression):
         return _guard_ok(node.body)
     if isinstance(node, ast.Constant):
         return isinstance(node.value, int | float | bool) or node.value is None
-    if isinstance(node, ast.Name):
-        return node.id == "L"
-    if isinstance(node, ast.Subscript):
+    if _input_ok(node):
+        return True
+    if isinstance(node, ast.Subscript):  # an element of a size: L['x'].size()[0]
         index = node.slice
         text_key = isinstance(index, ast.Constant) and isinstance(index.value, str)
-        if text_key and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", index.value):
-            return _guard_ok(node.value)  # an input's name (the only strings allowed)
         return not text_key and _guard_ok(index) and _guard_ok(node.value)
-    if isinstance(node, ast.Attribute):
-        attr = node.attr
-        return _ATTRIBUTE.fullmatch(attr) is not None and _guard_ok(node.value)
     if isinstance(node, ast.Call):
         func = node.func
+        if node.keywords or not all(_guard_ok(a) for a in node.args):  # ast.Starred: refused
+            return False
+        if isinstance(func, ast.Name):
+            return func.id in _GUARD_FUNCTIONS and len(node.args) >= 2
         return (
-            isinstance(func, ast.Attribute)
-            and func.attr in _GUARD_CALLS
-            and not node.keywords
-            and _guard_ok(func.value)
-            and all(_guard_ok(a) for a in node.args)
+            isinstance(func, ast.Attribute) and func.attr in _GUARD_CALLS and _input_ok(func.value)
         )
     if isinstance(node, ast.UnaryOp | ast.BinOp | ast.Compare | ast.BoolOp):
         return all(_guard_ok(c) for c in ast.iter_child_nodes(node) if isinstance(c, ast.expr))
     return False
+
+
+def _guard_text_ok(text: str) -> bool:
+    """A guard of the grammar, without a comment (it would hide the rest of torch's line)."""
+    return "#" not in text and _parses(text, _guard_ok)
 
 
 def _parses(text: str, ok: Any) -> bool:
@@ -175,7 +197,7 @@ def _check_program(path: Path, entry: str, program: Any) -> None:
                 raise _unsafe(path, entry, f"has a symbolic size sympy would eval: {value!r:.200}")
             if key == "guards_code":
                 for guard in value if isinstance(value, list) else [value]:
-                    if not (isinstance(guard, str) and _parses(guard, _guard_ok)):
+                    if not (isinstance(guard, str) and _guard_text_ok(guard)):
                         raise _unsafe(
                             path, entry, f"has an input guard it would exec: {guard!r:.200}"
                         )

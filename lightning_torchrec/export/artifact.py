@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torchrec.fx
 from torch import nn
 from torch.export import Dim, ShapesCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -44,10 +43,10 @@ from lightning_torchrec.checkpoint.outputs import USER_ERRORS, OwnedTemp, check_
 from lightning_torchrec.checkpoint.signing import read_key_file
 from lightning_torchrec.compat.upstream import drop_unused_range_constraints
 from lightning_torchrec.export.archive import load_pt2, load_torchscript
-from lightning_torchrec.export.managed import RawIdRemap
 from lightning_torchrec.export.modules import strip_table_buffers
 from lightning_torchrec.export.quantize import DTYPES, quantize_from_checkpoint
-from lightning_torchrec.export.validate import IdRangeCheck, ServedModel, input_contract
+from lightning_torchrec.export.scripting import script
+from lightning_torchrec.export.validate import ServedModel, input_contract
 
 #: The artifact formats.
 FORMATS = ("pt2", "torchscript")
@@ -147,24 +146,14 @@ def trace(model: nn.Module, fmt: str, args: tuple[Any, ...] | None) -> Any:
 
     Raises:
         ValueError: for an unknown format, or ``pt2`` without example inputs.
+        TypeError: ``torchscript`` of a ``forward`` without real type annotations (see
+            :func:`~lightning_torchrec.export.scripting.script`).
     """
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
     strip_table_buffers(model)
     if fmt == "torchscript":
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", category=DeprecationWarning)
-            # torch 2.14 deprecates it with a FutureWarning; the user asked for TorchScript.
-            warnings.filterwarnings("ignore", "`torch.jit.script` is deprecated", FutureWarning)
-            warnings.filterwarnings("ignore", "The TorchScript type system", UserWarning)
-            warnings.filterwarnings(
-                "ignore", "TorchScript will treat type annotations", UserWarning
-            )
-            # The id check is scripted from its source (it formats the offending id), and so is
-            # the remap of raw ids (its loop over tables).
-            leaves = [IdRangeCheck.__name__, RawIdRemap.__name__]
-            traced = torchrec.fx.symbolic_trace(model, leaf_modules=leaves)
-            return torch.jit.script(traced)
+        return script(model)
     if args is None:
         raise ValueError(
             "pt2 export needs example inputs: pass example_inputs=(...), define "
@@ -248,8 +237,8 @@ def export(
         FileNotFoundError: if ``checkpoint_dir`` is not a sharded checkpoint directory.
         ImportError: for an unknown module path, naming it.
         TypeError: for a module without EBC/EC tables, with a managed-collision table the
-            artifact cannot hold (see ``export.managed``), or that cannot be built from the
-            checkpoint.
+            artifact cannot hold (see ``export.managed``), that cannot be built from the
+            checkpoint, or (``torchscript``) whose ``forward`` lacks real type annotations.
     """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig, DataType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
 from torchrec.quant.embedding_modules import (
     EmbeddingBagCollection as QuantEmbeddingBagCollection,
 )
@@ -136,6 +137,29 @@ def id_check(module: nn.Module) -> IdRangeCheck:
     return IdRangeCheck(
         {f: (c.name, c.num_embeddings) for c in table_configs(module) for f in c.feature_names}
     )
+
+
+def takes_weights(root: nn.Module, collections: dict[str, nn.Module]) -> bool:
+    """Whether the served model reads per-id weights from its input ``KeyedJaggedTensor``.
+
+    A weighted ``EmbeddingBagCollection`` inside a ``FeatureProcessedEmbeddingBagCollection``
+    gets its weights from the feature processors (position weights, say), not from the input.
+
+    Args:
+        root: the module the paths are relative to.
+        collections: ``{path: float embedding module}``.
+
+    Returns:
+        True when a weighted bag collection is fed the input's weights.
+    """
+    for path, module in collections.items():
+        if not (isinstance(module, EmbeddingBagCollection) and module.is_weighted()):
+            continue
+        owner_path = path.rpartition(".")[0]
+        owner = root.get_submodule(owner_path) if owner_path else None
+        if not isinstance(owner, FeatureProcessedEmbeddingBagCollection):
+            return True
+    return False
 
 
 def strip_table_buffers(model: nn.Module) -> None:

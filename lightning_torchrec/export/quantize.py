@@ -43,6 +43,7 @@ from lightning_torchrec.export.modules import (
     rows_attribute,
     table_configs,
     table_rows,
+    takes_weights,
 )
 from lightning_torchrec.export.validate import CheckedEmbeddings
 from lightning_torchrec.sharding.tables import dense_width, table_bytes, table_of_key
@@ -272,7 +273,8 @@ def quantize_from_checkpoint(
         ``(model in eval mode, facts)`` where facts holds ``tables`` (``{name: (rows, dim)}``),
         ``float_table_bytes``, ``quantized_table_bytes``, ``features`` (KJT keys in table
         order), ``feature_tables``, ``sequence_features`` (those of ``EmbeddingCollection`` s:
-        one vector per id), ``weighted``, ``dense_width``.
+        one vector per id), ``weighted`` (the input carries per-id weights: a feature processor's
+        weights are made inside), ``dense_width``.
 
     Raises:
         ValueError: for an unknown dtype, table widths the dtype cannot pack, or
@@ -373,9 +375,7 @@ def quantize_from_checkpoint(
             for c in configs
             for f in c.feature_names
         ],
-        "weighted": any(
-            isinstance(m, EmbeddingBagCollection) and m.is_weighted() for m in collections.values()
-        ),
+        "weighted": takes_weights(root, collections),
         "sequence_features": [
             f
             for m in collections.values()
