@@ -99,6 +99,35 @@ def test_an_optimizer_the_kernels_cannot_run_is_refused_naming_the_table(
         shard_model(Tutorial({"t1": (cls, {"lr": 0.1})}), CPU)
 
 
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "match"),
+    [
+        # Trained bit-equal to plain SGD/Adagrad: the kernels ignored them without a word.
+        (torch.optim.SGD, {"momentum": 0.9}, r"'t1'.*ignores momentum=0\.9"),
+        (torch.optim.Adagrad, {"weight_decay": 0.5}, r"'t1'.*ignores weight_decay=0\.5"),
+        # fbgemm's kernel raised TypeError inside DMP, on the rank holding the table only.
+        (torch.optim.SGD, {"nesterov": False}, r"'t1'.*take no \['nesterov'\]"),
+        (torch.optim.Adagrad, {"initial_accumulator_value": 0.1}, r"initial_accumulator_value"),
+    ],
+)
+@pytest.mark.usefixtures("one_rank_group")
+def test_settings_the_fused_kernel_drops_or_rejects_are_refused_naming_the_table(
+    cls: type, kwargs: dict, match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        shard_model(Tutorial({"t1": (cls, {"lr": 0.1, **kwargs})}), CPU)
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_settings_the_fused_kernel_applies_are_accepted() -> None:
+    optimizers = {
+        "t0": (torch.optim.Adagrad, {"lr": 0.1, "eps": 1e-6, "weight_decay": 0.0}),
+        "t1": (torch.optim.SGD, {"lr": 0.2, "momentum": 0.0}),
+    }
+    dmp = shard_model(Tutorial(optimizers), CPU)
+    assert kernel_lrs(dmp.dmp) == pytest.approx({"t0": 0.1, "t1": 0.2})
+
+
 @pytest.mark.usefixtures("one_rank_group")
 def test_fused_params_no_table_uses_are_not_checked_and_are_said_to_lose() -> None:
     sgd = (torch.optim.SGD, {"lr": 0.2})

@@ -26,11 +26,15 @@ Learning rates that differ between tables are kept per table by checkpoints
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any
 
 import torch
 import torchrec.optim as trec_optim
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    SplitTableBatchedEmbeddingBagsCodegen,
+)
 from torch import nn
 from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.distributed.types import ShardingPlan, ShardingType
@@ -47,6 +51,8 @@ FUSABLE = (
     "PartialRowWiseAdam, LarsSGD, LAMB or PartialRowWiseLAMB"
 )
 CPU_FUSABLE = "torch.optim.SGD, torch.optim.Adagrad or torchrec.optim.RowWiseAdagrad"
+#: The fused kernels' optimizers that apply a momentum (the others ignore one).
+_MOMENTUM_KINDS = {EmbOptimType.LARS_SGD.value}
 DATA_PARALLEL = ShardingType.DATA_PARALLEL.value
 _SHARDING_TYPES = [t.value for t in ShardingType]
 
@@ -146,6 +152,37 @@ def check_table_optimizers(found: dict[str, TableOptimizer], compute_device: str
                 f"(fused as {kind.value}), which fbgemm's CPU kernels do not implement; on CPU "
                 f"use {CPU_FUSABLE}."
             )
+        problem = _settings_problem(t, getattr(kind, "value", ""))
+        if problem:
+            raise ValueError(
+                f"Table {t.table!r} was given {t.describe()} with apply_optimizer_in_backward: "
+                f"{problem}. Its fused kernel applies the learning rate (and eps); leave the "
+                "other settings out, or let the dense optimizer train the table."
+            )
+
+
+def _settings_problem(t: TableOptimizer, kind: str) -> str:
+    """What of an in-backward optimizer's settings its fused kernel rejects or ignores."""
+    # TorchRec passes every setting on to fbgemm's kernel, which fails on those it does not take.
+    taken = set(inspect.signature(SplitTableBatchedEmbeddingBagsCodegen.__init__).parameters)
+    rejected = sorted(k for k in t.kwargs if k != "lr" and k not in taken)
+    if rejected:
+        return f"fbgemm's embedding kernels take no {rejected} (even at their defaults)"
+    defaults = {
+        k: p.default
+        for k, p in inspect.signature(t.optimizer.__init__).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
+    ignored = []
+    for key in ("momentum", "weight_decay"):
+        value = t.kwargs.get(key, defaults.get(key, 0))
+        if value in (0, None, defaults.get(key, 0)):
+            continue
+        if key == "momentum" and kind not in _MOMENTUM_KINDS:
+            ignored.append(f"{key}={value!r}")
+        if key == "weight_decay" and "weight_decay_mode" not in t.kwargs:
+            ignored.append(f"{key}={value!r} (without a weight_decay_mode)")
+    return f"its fused kernel ignores {', '.join(ignored)}" if ignored else ""
 
 
 def fused_constraints(
