@@ -27,12 +27,9 @@ FUSED_KEY = "embedding"
 #: (``OneCycleLR``/``CyclicLR`` cycle ``momentum`` or ``betas``): a fused group carries its
 #: kernel's values of those the dense optimizer has.
 KERNEL_VALUES = ("momentum", "betas", "weight_decay", "eps")
-#: A param group's label (``LearningRateMonitor`` names a group by it): a fused group's is
-#: ``"tables:"`` and the tables its kernel holds. A label, not a hyper-parameter: checkpoints
-#: never restore it (another plan groups the tables differently).
-GROUP_NAME = "name"
-#: How many table names a fused group's label lists before it counts the rest.
-NAMED_TABLES = 4
+#: A param group's label (``LearningRateMonitor`` names groups by it), for a fused group
+#: ``"tables:"`` and its kernel's first :data:`NAMED_TABLES` tables; never restored on resume.
+GROUP_NAME, NAMED_TABLES = "name", 4
 
 
 def is_fused_parameter(param: torch.Tensor) -> bool:
@@ -392,8 +389,7 @@ def keyed_optimizer(optimizer: Any) -> KeyedOptimizer:
         TypeError: for a plain torch optimizer, saying how to fix ``configure_optimizers``.
     """
     opt = optimizer
-    # Lightning's wrappers keep the wrapped optimizer in ``.optimizer`` (and LightningOptimizer
-    # even subclasses its class, so unwrap before testing the type).
+    # Unwrapped before the type test: LightningOptimizer even subclasses the wrapped class.
     while isinstance(getattr(opt, "optimizer", None), torch.optim.Optimizer):
         opt = opt.optimizer
     if not isinstance(opt, KeyedOptimizer):
