@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchrec.optim.keyed import KeyedOptimizer
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 
 from lightning_torchrec.compat.fused import fused_param_groups, kernel_tables
 from lightning_torchrec.compat.upstream import (
@@ -38,6 +39,8 @@ from lightning_torchrec.training.optim import (
     set_optimizer_steps,
 )
 
+#: A fused group whose tables were saved with different values (:func:`_table_values`).
+MIXED = object()
 #: The key of the run's record in ``meta.pt``'s package entry.
 RUN_KEY = "optimizers"
 
@@ -110,9 +113,9 @@ def run_record(optimizers: list[KeyedOptimizer]) -> list[dict[str, Any]]:
         dense, fused = group_split(opt)
         group = opt.param_groups[dense] if fused else None
         tables: dict[str, dict[str, Any]] = {}
-        for kernel_group, kernel in fused_param_groups(opt):
-            for table in kernel_tables(kernel):
-                tables.setdefault(table, _values(kernel_group))
+        for kernel_group, names in group_tables(opt):
+            for name in names:
+                tables.setdefault(name, _values(kernel_group))
         record.append(
             {
                 "step": max(steps) if steps else None,
@@ -218,6 +221,8 @@ def apply_hyper_params(
     by_table = _table_values(optimizer, record.get("fused_tables") or {})
     for position, (group, source) in enumerate(zip(optimizer.param_groups, sources, strict=True)):
         values = by_table.get(id(group))
+        if values is MIXED:  # one kernel now, saved at different rates: it keeps its own
+            continue
         if values is None and source is not None:
             values = groups[source]
         if values is None and position >= current[0]:
@@ -227,16 +232,66 @@ def apply_hyper_params(
                 group[k] = v
 
 
-def _table_values(
-    optimizer: KeyedOptimizer, saved: dict[str, dict[str, Any]]
-) -> dict[int, dict[str, Any]]:
-    """For each fused group (by ``id``) whose tables were all saved alike: their values."""
-    out = {}
-    for group, kernel in fused_param_groups(optimizer):
-        found = [saved.get(t) for t in kernel_tables(kernel)]
-        if found and all(v is not None and v == found[0] for v in found):
+def _table_values(optimizer: KeyedOptimizer, saved: dict[str, dict[str, Any]]) -> dict[int, Any]:
+    """For each fused group (by ``id``) whose tables were all saved: their values, or MIXED."""
+    out: dict[int, Any] = {}
+    for group, names in group_tables(optimizer):
+        found = [_saved_table(saved, name) for name in names]
+        if not found or any(v is None for v in found):
+            continue
+        if all(v == found[0] for v in found):
             out[id(group)] = found[0]
+            continue
+        out[id(group)] = MIXED
+        rates = {name: v.get("lr") for name, v in zip(names, found, strict=True)}
+        rank_zero_warn(
+            f"The tables {sorted(rates)} share one fused kernel now but were saved with different "
+            f"hyper-parameters (learning rates {rates}); the kernel keeps the ones it was built "
+            "with. Give them the same optimizer settings, or plan them as they were saved."
+        )
     return out
+
+
+def group_tables(optimizer: Any) -> list[tuple[dict[str, Any], list[str]]]:
+    """Each fused param group with its kernel's tables, named ``"<collection path>/<table>"``.
+
+    Two collections may each hold a table of the same name (a user and an item tower); the
+    collection's module path tells them apart. Without one (an optimizer that is not the
+    package's combined one) the tables go by name.
+
+    Args:
+        optimizer: a keyed optimizer.
+
+    Returns:
+        ``(param group, table names)`` pairs, in ``param_groups`` order.
+    """
+    if not isinstance(optimizer, DenseAndFusedOptimizer):
+        return [(g, kernel_tables(k)) for g, k in fused_param_groups(optimizer)]
+    return _with_paths(optimizer.fused, "")
+
+
+def _with_paths(optimizer: Any, path: str) -> list[tuple[dict[str, Any], list[str]]]:
+    # TorchRec's combined fused optimizers key their parts by module path (or "").
+    if isinstance(optimizer, CombinedOptimizer):
+        return [
+            found
+            for key, inner in optimizer.optimizers
+            for found in _with_paths(inner, ".".join(p for p in (path, key) if p))
+        ]
+    return [
+        (group, [f"{path}/{table}" for table in kernel_tables(kernel)])
+        for group, kernel in fused_param_groups(optimizer)
+    ]
+
+
+def _saved_table(saved: dict[str, dict[str, Any]], name: str) -> dict[str, Any] | None:
+    # By path and name; else by name where that is unambiguous (a model wrapped otherwise, or a
+    # checkpoint that recorded names only).
+    if name in saved:
+        return saved[name]
+    table = name.rsplit("/", 1)[-1]
+    alike = [v for k, v in saved.items() if k.rsplit("/", 1)[-1] == table]
+    return alike[0] if alike and all(v == alike[0] for v in alike) else None
 
 
 def scheduler_state(
