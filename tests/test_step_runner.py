@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import weakref
@@ -13,6 +14,7 @@ from torch import nn
 
 from lightning_torchrec import DLRMClickModule, TorchRecStrategy
 from lightning_torchrec.lightning.step_hooks import votes_ahead
+from lightning_torchrec.sharding.tables import FeatureSpec
 from lightning_torchrec.training.pipeline_feed import Peek, Split
 from lightning_torchrec.training.pipelines import (
     SEMI_SYNC_START_BATCH,
@@ -155,3 +157,15 @@ def test_a_second_training_loader_puts_the_vote_back_before_the_forward() -> Non
     first, second = two.feed([1, 2], True), two.feed([3, 4], True)
     assert list(zip(first, second, strict=True)) == [(1, 3), (2, 4)]  # as Lightning combines
     assert not two.vote_ahead
+
+
+def test_auto_checks_a_model_with_a_per_sample_limit_before_its_forward_on_cuda() -> None:
+    # Judged a step later, a too-long sample reached the position-weighted forward first: a
+    # device-side assert on the GPU before any verdict.
+    def deferred(specs: dict) -> bool:
+        runner = StepRunner(nn.Linear(1, 1), torch.device("cuda"), specs=specs, dense_width=None)
+        return runner.guard.deferred is not None
+
+    plain = FeatureSpec("f", "t", 10)
+    assert deferred({"f": plain})
+    assert not deferred({"f": dataclasses.replace(plain, max_ids=3)})

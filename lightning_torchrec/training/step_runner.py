@@ -103,7 +103,13 @@ class StepRunner:
             raise ValueError(f"batch_checks must be one of {BATCH_CHECKS}, got {batch_checks!r}")
         if transformed and pipeline is not None:
             raise ValueError(f"pipeline={pipeline!r} trains on the loader's batches: use None")
-        deferred = batch_checks == "next_step" or (batch_checks == "auto" and device.type == "cuda")
+        # A per-sample limit guards a forward that indexes by position (a position-weighted or
+        # sequence model): past it the forward fails (a device-side assert) before a verdict a
+        # step later, so "auto" checks such a model's batches before their forward.
+        limited = any(spec.max_ids is not None for spec in (specs or {}).values())
+        deferred = batch_checks == "next_step" or (
+            batch_checks == "auto" and device.type == "cuda" and not limited
+        )
         self.model, self.device = model, device
         self.pipeline, self.start_batch, self.asked = pipeline, start_batch, asked
         self.global_step = global_step
