@@ -52,8 +52,9 @@ LAYERS: tuple[Layer, ...] = (
         "Lightning (``lightning``); TorchRec's train pipelines cut where a loop takes over "
         "(``pipelines``); the upstream-only warnings, each with its cause (``upstream_warnings``); "
         "loader workers forked around CPython's fork deadlock before 3.12 (``worker_fork``); the "
-        "job's store (``c10d``); the optimizers ``apply_optimizer_in_backward`` leaves on "
-        "parameters and the tables of fused kernels (``fused``)",
+        "job's store and collective counts (``c10d``); the optimizers "
+        "``apply_optimizer_in_backward`` leaves on parameters and the tables of fused kernels "
+        "(``fused``); the collections feature processors wrap (``feature_processors``)",
         ("errors",),
     ),
     Layer(
