@@ -23,9 +23,9 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
-from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
+from torchrec.optim.keyed import KeyedOptimizer
 
-from lightning_torchrec.compat.fused import fused_param_groups, kernel_tables
+from lightning_torchrec.compat.fused import fused_groups_by_path, kernel_tables
 from lightning_torchrec.compat.upstream import (
     SCHEDULER_GROUP_KEYS,
     SCHEDULER_LAST_LR,
@@ -256,8 +256,8 @@ def group_tables(optimizer: Any) -> list[tuple[dict[str, Any], list[str]]]:
     """Each fused param group with its kernel's tables, named ``"<collection path>/<table>"``.
 
     Two collections may each hold a table of the same name (a user and an item tower); the
-    collection's module path tells them apart. Without one (an optimizer that is not the
-    package's combined one) the tables go by name.
+    collection's module path tells them apart (a path relative to where the optimizer keys its
+    parts: from the combined optimizer's fused part down).
 
     Args:
         optimizer: a keyed optimizer.
@@ -265,22 +265,11 @@ def group_tables(optimizer: Any) -> list[tuple[dict[str, Any], list[str]]]:
     Returns:
         ``(param group, table names)`` pairs, in ``param_groups`` order.
     """
-    if not isinstance(optimizer, DenseAndFusedOptimizer):
-        return [(g, kernel_tables(k)) for g, k in fused_param_groups(optimizer)]
-    return _with_paths(optimizer.fused, "")
-
-
-def _with_paths(optimizer: Any, path: str) -> list[tuple[dict[str, Any], list[str]]]:
-    # TorchRec's combined fused optimizers key their parts by module path (or "").
-    if isinstance(optimizer, CombinedOptimizer):
-        return [
-            found
-            for key, inner in optimizer.optimizers
-            for found in _with_paths(inner, ".".join(p for p in (path, key) if p))
-        ]
+    if isinstance(optimizer, DenseAndFusedOptimizer):  # paths from its fused part down
+        optimizer = optimizer.fused
     return [
-        (group, [f"{path}/{table}" for table in kernel_tables(kernel)])
-        for group, kernel in fused_param_groups(optimizer)
+        (group, [f"{path}/{table}" if path else table for table in kernel_tables(kernel)])
+        for path, group, kernel in fused_groups_by_path(optimizer)
     ]
 
 

@@ -25,6 +25,7 @@ from lightning_torchrec.compat.upstream import fused_kernels
 
 __all__ = [
     "estimated_optimizers",
+    "fused_groups_by_path",
     "fused_param_groups",
     "in_backward_optimizers",
     "kernel_tables",
@@ -97,7 +98,27 @@ def fused_param_groups(optimizer: Any) -> list[tuple[dict[str, Any], Any]]:
     Returns:
         ``(param group, fbgemm TBE)`` pairs, in ``param_groups`` order; empty for none.
     """
+    return [(group, kernel) for _, group, kernel in fused_groups_by_path(optimizer)]
+
+
+def fused_groups_by_path(optimizer: Any, path: str = "") -> list[tuple[str, dict[str, Any], Any]]:
+    """:func:`fused_param_groups` with the module path each group's optimizer is keyed by.
+
+    TorchRec's combined optimizers key their parts by module path (``""`` within a sharded
+    collection); the path of a group joins the keys above it with dots.
+
+    Args:
+        optimizer: a keyed optimizer (combined or fused) or anything else.
+        path: the path of ``optimizer`` itself.
+
+    Returns:
+        ``(path, param group, fbgemm TBE)`` triples, in ``param_groups`` order.
+    """
     if isinstance(optimizer, CombinedOptimizer):
-        return [pair for _, inner in optimizer.optimizers for pair in fused_param_groups(inner)]
+        return [
+            found
+            for key, inner in optimizer.optimizers
+            for found in fused_groups_by_path(inner, ".".join(p for p in (path, key) if p))
+        ]
     kernels = fused_kernels(optimizer)
-    return [(group, kernels[0]) for group in optimizer.param_groups] if kernels else []
+    return [(path, group, kernels[0]) for group in optimizer.param_groups] if kernels else []

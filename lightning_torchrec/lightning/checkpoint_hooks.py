@@ -266,14 +266,13 @@ class ShardedCheckpointing:
                 "did not fail is still in a step, waiting for the failed one, or has stopped). "
                 "The last checkpoint written stays the last good one."
             )
-        found = [post for post in posts if post is not None]
-        ranks = [r for r, post in enumerate(found) if post.get("ahead")]
-        steps = [post.get("step") for post in found]
-        if len(set(map(str, steps))) > 1:  # a rank that finished its step, one that did not
-            step = f"{min(map(str, steps))} or later (by rank: {steps})"
+        ranks = [r for r, post in enumerate(posts) if post and post.get("ahead")]
+        steps = [post.get("step") if post else None for post in posts]
+        if any(s != steps[0] for s in steps):  # a rank that finished its step, one that did not
+            step = f"{steps} (by rank)"
         if ranks:
             raise MidStepCheckpointError(_mid_step(self.global_rank, step, ranks))
-        started = [post.get("counts") for post in found]
+        started = [post.get("counts") if post else None for post in posts]
         if any(c != started[0] for c in started):
             raise MidStepCheckpointError(
                 f"rank {self.global_rank}: refusing to save the checkpoint asked for while "
