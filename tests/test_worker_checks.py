@@ -5,6 +5,9 @@ One process; the workers are real forked processes of a real ``DataLoader``.
 
 from __future__ import annotations
 
+import gc
+import multiprocessing
+
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -69,3 +72,34 @@ def test_workers_check_and_the_training_process_only_reads_verdicts(monkeypatch)
 def test_a_bad_batch_found_by_a_worker_stops_training_with_the_same_message(monkeypatch) -> None:
     with pytest.raises(BatchValidationError, match=r"rank 0, step 2: feature 'cat_1'.*id 1000"):
         _fit_with_workers(2, monkeypatch)
+
+
+class _YieldingLoader(DataLoader):
+    """A loader whose ``__iter__`` is a generator, as the package's resumable loaders are."""
+
+    def __iter__(self):  # noqa: ANN204
+        yield from super().__iter__()
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "loader_cls"),
+    [(None, DataLoader), ("sparse_dist", DataLoader), ("sparse_dist", _YieldingLoader)],
+)
+def test_workers_of_a_fit_stopped_mid_epoch_exit_before_the_fit_returns(
+    pipeline: str | None, loader_cls: type[DataLoader]
+) -> None:
+    # The strategy's read-ahead held the epoch's iterator in a reference cycle: the garbage
+    # collector finalized its queues first, so its workers never got the word to exit and the
+    # shutdown waited 5 s for each before killing it (10 s per fit with 2 workers).
+    strategy = TorchRecStrategy(constraints=table_wise(2), log_plan=False, pipeline=pipeline)
+    trainer = cpu_trainer(strategy, max_steps=3, use_distributed_sampler=False)
+    loader = loader_cls(
+        _Batches(bad_at=-1), batch_size=None, num_workers=2, multiprocessing_context="fork"
+    )
+    gc.disable()  # nothing but the strategy's own collection at teardown runs
+    try:
+        trainer.fit(model(), loader)
+        assert trainer.global_step == 3  # of 6 batches
+        assert multiprocessing.active_children() == []
+    finally:
+        gc.enable()

@@ -11,6 +11,7 @@ unpipelined step, whose vote on the next batch runs during the current step.
 
 from __future__ import annotations
 
+import inspect
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -77,6 +78,22 @@ class Split:
         self._dropped[side] = True
         self._waiting[side].clear()
 
+    def close(self) -> None:
+        """Ends the source now, for both sides (at the end of a stage).
+
+        A multi-worker loader's iterator left to the garbage collector (this object sits in
+        reference cycles with the strategy) is finalized after its queues: its workers never
+        get the word to exit, and its shutdown waits 5 s for each before killing it. Ended
+        here, its workers exit at once. A generator source (a loader whose ``__iter__``
+        yields) is closed, which ends the iterator it holds.
+        """
+        source, self._source = self._source, iter(())
+        self._ended = True
+        for waiting in self._waiting:
+            waiting.clear()
+        if inspect.isgenerator(source):
+            source.close()
+
 
 class _Side:
     def __init__(self, split: Split, side: int) -> None:
@@ -91,8 +108,23 @@ class _Side:
     def __del__(self) -> None:
         self._split.drop(self._side)
 
+    def close(self) -> None:
+        self._split.close()
 
-class Lookahead:
+
+class _Reader:
+    """What reads one side of an epoch's batches ahead of Lightning."""
+
+    _batches: Iterator[Any]
+
+    def close(self) -> None:
+        """Ends the epoch's iterator, for both sides (see :meth:`Split.close`)."""
+        close = getattr(self._batches, "close", None)
+        if close is not None:
+            close()
+
+
+class Lookahead(_Reader):
     """An iterator over an epoch's batches that can be read ahead of its consumer (the pipeline).
 
     Args:
@@ -151,7 +183,7 @@ class Lookahead:
         return [(self._first_index + position, batch) for position, batch in found]
 
 
-class Peek:
+class Peek(_Reader):
     """An epoch's batches read one step ahead of their consumer, and kept by it alone.
 
     Args:

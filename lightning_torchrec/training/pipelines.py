@@ -335,6 +335,8 @@ class SparseDistPipeline:
         """
         self.detach()
         self._pipeline.reset()
+        if self._iterator is not None:  # its workers exit now (see ``Split.close``)
+            self._iterator.close()
         self._iterator = None
 
     def unpipelined(self) -> list[str]:

@@ -395,4 +395,6 @@ class StepRunner:
         for pipeline in (self.training, self.evaluation):
             if pipeline is not None:
                 pipeline.release()
-        self._host_batch = None
+        if self._peek is not None:  # its workers exit now (see ``Split.close``)
+            self._peek.close()
+        self._host_batch = self._peek = None
