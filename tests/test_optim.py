@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import nn
@@ -18,6 +19,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.optim.keyed import KeyedOptimizer
 
 from lightning_torchrec import TorchRecStrategy
+from lightning_torchrec.compat.fused import kernel_values
 from lightning_torchrec.compat.upstream import fused_kernels, kernel_learning_rate
 from lightning_torchrec.sharding.planning import maybe_shard_model
 from lightning_torchrec.training.optim import (
@@ -181,7 +183,9 @@ def test_momentum_cycling_schedulers_and_monitors_see_the_dense_settings(
     fused = opt.param_groups[-1]
     args = kernel.optimizer_args  # the kernel's own values, not the dense optimizer's
     assert fused["weight_decay"] == args.weight_decay and fused["eps"] == pytest.approx(args.eps)
-    assert fused["betas"] == (pytest.approx(args.beta1), pytest.approx(args.beta2))
+    # The default kernel (row-wise Adagrad) applies no momentum: fbgemm's unused beta1 of 0.9
+    # was shown (a LearningRateMonitor logs betas[0] as the momentum).
+    assert fused["betas"] == (0.0, pytest.approx(args.beta2)) and args.beta1 == pytest.approx(0.9)
     assert "momentum" not in fused  # Adam has none: only the dense optimizer's keys are added
     assert opt.off_kernel_values() == []
     recwarn.clear()
@@ -198,8 +202,25 @@ def test_momentum_cycling_schedulers_and_monitors_see_the_dense_settings(
     sgd = combine_optimizers(
         torch.optim.SGD(dense_parameters(sharded), lr=0.1, momentum=0.9), sharded
     )
-    assert sgd.param_groups[-1]["momentum"] == kernel.optimizer_args.momentum
+    assert sgd.param_groups[-1]["momentum"] == 0.0 and args.momentum == pytest.approx(0.9)
     torch.optim.lr_scheduler.CyclicLR(sgd, 0.01, 0.1)  # cycles momentum: was refused
+
+
+@pytest.mark.parametrize(
+    ("kind", "momentum"),
+    [
+        (EmbOptimType.EXACT_SGD, 0.0),
+        (EmbOptimType.EXACT_ROWWISE_ADAGRAD, 0.0),
+        (EmbOptimType.LARS_SGD, 0.5),  # its own momentum
+        (EmbOptimType.ADAM, 0.8),  # its beta1
+        (EmbOptimType.PARTIAL_ROWWISE_LAMB, 0.8),
+    ],
+)
+def test_a_kernels_momentum_is_what_its_update_applies(kind: EmbOptimType, momentum: float) -> None:
+    args = SimpleNamespace(momentum=0.5, beta1=0.8, beta2=0.99, weight_decay=0.0, eps=1e-8)
+    values = kernel_values(SimpleNamespace(optimizer=kind, optimizer_args=args))
+    assert values["momentum"] == values["betas"][0] == momentum
+    assert values["betas"][1] == 0.99
 
 
 def test_init_optimizer_state_materialises_adam_state() -> None:
@@ -239,7 +260,7 @@ def test_learning_rate_monitor_names_fused_groups_by_their_tables(tmp_path: Path
         limit_val_batches=0,
         logger=logger,
         log_every_n_steps=1,
-        callbacks=[LearningRateMonitor(logging_interval="step")],
+        callbacks=[LearningRateMonitor(logging_interval="step", log_momentum=True)],
         default_root_dir=tmp_path,
     )
     trainer.fit(module, datamodule=tiny_data(40, 2, batch_size=16, train_batches=4, seed=2))
@@ -248,6 +269,11 @@ def test_learning_rate_monitor_names_fused_groups_by_their_tables(tmp_path: Path
     assert logged[f"{prefix}/pg1"] == pytest.approx(1e-2)  # the dense group keeps its name
     assert logged[f"{prefix}/tables:t_cat_0"] == pytest.approx(0.1)
     assert logged[f"{prefix}/tables:t_cat_1"] == pytest.approx(0.02)
+    # The tables' SGD kernels apply no momentum: it read fbgemm's unused 0.9 (Adam's beta1 is
+    # the dense group's).
+    assert logged[f"{prefix}/pg1-momentum"] == pytest.approx(0.9)
+    assert logged[f"{prefix}/tables:t_cat_0-momentum"] == 0.0
+    assert logged[f"{prefix}/tables:t_cat_1-momentum"] == 0.0
 
 
 def test_fused_group_names_are_short_and_unique() -> None:

@@ -29,8 +29,12 @@ __all__ = [
     "fused_param_groups",
     "in_backward_optimizers",
     "kernel_tables",
+    "kernel_values",
 ]
 
+#: fbgemm's kernels whose update applies ``optimizer_args.momentum``, and those with Adam's betas.
+_MOMENTUM_KINDS = {"lars_sgd", "ensemble_row_wise_adagrad", "madgrad"}
+_BETAS_KINDS = {"adam", "partial_row_wise_adam", "lamb", "partial_row_wise_lamb"}
 _CLASSES = "_optimizer_classes"
 _KWARGS = "_optimizer_kwargs"
 
@@ -122,3 +126,34 @@ def fused_groups_by_path(optimizer: Any, path: str = "") -> list[tuple[str, dict
         ]
     kernels = fused_kernels(optimizer)
     return [(path, group, kernels[0]) for group in optimizer.param_groups] if kernels else []
+
+
+def kernel_values(kernel: Any) -> dict[str, Any]:
+    """An fbgemm TBE's own momentum, betas, weight decay and eps (fixed when TorchRec built it).
+
+    fbgemm keeps a momentum of 0.9 and betas of (0.9, 0.999) in every kernel's arguments, also
+    where its update applies none (SGD, Adagrad): there the momentum reads 0.0 (and so does
+    ``betas[0]``, which ``LearningRateMonitor`` logs as the momentum). An Adam-family kernel's
+    momentum is its ``beta1``.
+
+    Args:
+        kernel: the TBE.
+
+    Returns:
+        ``{"momentum", "betas", "weight_decay", "eps"}``; empty for a kernel without
+        ``optimizer_args``.
+    """
+    args = getattr(kernel, "optimizer_args", None)
+    if args is None:
+        return {}
+    kind = getattr(getattr(kernel, "optimizer", None), "value", None)
+    if kind in _BETAS_KINDS:
+        first = float(args.beta1)
+    else:
+        first = float(args.momentum) if kind in _MOMENTUM_KINDS else 0.0
+    return {
+        "momentum": first,
+        "betas": (first, float(args.beta2)),
+        "weight_decay": float(args.weight_decay),
+        "eps": float(args.eps),
+    }

@@ -18,7 +18,7 @@ from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from lightning_torchrec.compat.fused import fused_param_groups, kernel_tables
+from lightning_torchrec.compat.fused import fused_param_groups, kernel_tables, kernel_values
 from lightning_torchrec.compat.upstream import fused_kernels, kernel_step, set_kernel_step
 
 DENSE_KEY = "dense"
@@ -192,27 +192,6 @@ def _name_fused_groups(groups: list[tuple[dict[str, Any], Any]], dense: int) -> 
             label += f" (pg{dense + position + 1})"
         taken.add(label)
         group[GROUP_NAME] = label
-
-
-def kernel_values(kernel: Any) -> dict[str, Any]:
-    """An fbgemm TBE's own :data:`KERNEL_VALUES` (fixed when TorchRec built it).
-
-    Args:
-        kernel: the TBE.
-
-    Returns:
-        ``{"momentum", "betas", "weight_decay", "eps"}``; empty for a kernel without
-        ``optimizer_args``.
-    """
-    args = getattr(kernel, "optimizer_args", None)
-    if args is None:
-        return {}
-    return {
-        "momentum": float(args.momentum),
-        "betas": (float(args.beta1), float(args.beta2)),
-        "weight_decay": float(args.weight_decay),
-        "eps": float(args.eps),
-    }
 
 
 def combine_optimizers(
