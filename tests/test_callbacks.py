@@ -268,3 +268,32 @@ def test_tables_of_one_name_in_two_collections_are_both_logged() -> None:
     assert len(set(logged.values())) == 2  # two tables, two values
     with pytest.raises(KeyError, match="several collections have"):
         EmbeddingNormCallback(tables=["t0"])._prepare(trainer, module)
+
+
+def test_log_every_n_steps_zero_logs_the_last_step_only() -> None:
+    """Trainer(log_every_n_steps=0) turns the cadence off (it divided by zero at step 1)."""
+    log = RecordingLogger()
+    fit([WeightNormCallback(), EmbeddingNormCallback()], loggers=[log], log_every_n_steps=0)
+    assert log.steps_with("model/") == [6]
+    assert log.steps_with("embedding_norms/") == [6]
+
+
+def test_a_callable_returning_several_numbers_is_refused_naming_the_parameters() -> None:
+    weight = r"'model/<lambda>/model_and_loss\.model\.over_arch\.model\.1\.weight': \(4,\)"
+    with pytest.raises(ValueError, match=rf"to one number.*{weight}"):
+        fit(
+            [WeightNormCallback(lambda t: t.abs().mean(0), every_n_steps=1)],
+            loggers=[RecordingLogger()],
+            max_steps=1,
+        )
+
+
+def test_a_sample_size_written_as_a_float_samples_that_many_rows() -> None:
+    """sample_size=50.0 on 200-row tables failed at the first logging step (a float slice)."""
+    log = RecordingLogger()
+    fit([EmbeddingNormCallback(sample_size=50.0, every_n_steps=6)], loggers=[log])
+    assert set(log.last("embedding_norms/")) == {
+        f"embedding_norms/t_cat_{i}-norm-{s}" for i in range(2) for s in ("0", "mean")
+    }
+    with pytest.raises(TypeError, match="whole number of rows"):
+        EmbeddingNormCallback(sample_size=2.5)

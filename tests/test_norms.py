@@ -282,3 +282,15 @@ def test_log_sharded_tensor_content_single_process() -> None:
     assert gathered is not None and torch.equal(gathered, table)
     with pytest.raises(ValueError, match=r"5 rows x 3 columns.*max_rows=4"):
         log_sharded_tensor_content("w", "t", table, max_rows=4)
+
+
+def test_ebc_norms_sample_size_is_a_whole_number_and_a_bad_table_is_named() -> None:
+    """4e6 rows is a whole number (it reached randperm(n)[:k] as a float on larger tables)."""
+    tables = {"t": _row_norm_table(200)}
+    exact = log_ebc_norms(tables, ["t"], sample_size=50, seed=3)
+    assert log_ebc_norms(tables, ["t"], sample_size=50.0, seed=3) == exact
+    for bad in (2.5, True, "50"):
+        with pytest.raises(TypeError, match="whole number of rows"):
+            log_ebc_norms(tables, ["t"], sample_size=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"'bias' of shape \(3,\).*2-D"):
+        log_ebc_norms({"t": torch.ones(3, 4), "bias": torch.ones(3)}, ["t", "bias"])

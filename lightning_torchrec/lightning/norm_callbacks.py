@@ -18,7 +18,7 @@ from typing_extensions import override
 from lightning_torchrec.compat.lightning import is_last_batch
 from lightning_torchrec.distributed import is_distributed
 from lightning_torchrec.sharding.tables import embedding_tables, table_of_key
-from lightning_torchrec.training.ebc_norms import log_ebc_norms
+from lightning_torchrec.training.ebc_norms import as_sample_size, log_ebc_norms
 from lightning_torchrec.training.norms import is_whole_table_norm, l2_norm, weights_to_log
 
 HowToLog = Callable[[torch.Tensor], Any] | Mapping[str, Callable[[torch.Tensor], Any]] | None
@@ -27,9 +27,9 @@ HowToLog = Callable[[torch.Tensor], Any] | Mapping[str, Callable[[torch.Tensor],
 def log_due(trainer: L.Trainer, every_n_steps: int | None, last_logged_step: int) -> bool:
     """Whether a step-cadence callback logs at this batch end (the same on every rank).
 
-    Every ``every_n_steps`` optimizer steps (None: the Trainer's ``log_every_n_steps``) and when
-    training stops; once per step: with gradient accumulation several batches end on the same
-    optimizer step (the first ones before any step at all).
+    Every ``every_n_steps`` optimizer steps (None: the Trainer's ``log_every_n_steps``; 0 there
+    turns the cadence off) and when training stops; once per step: with gradient accumulation
+    several batches end on the same optimizer step (the first ones before any step at all).
 
     Args:
         trainer: the Trainer.
@@ -49,7 +49,7 @@ def log_due(trainer: L.Trainer, every_n_steps: int | None, last_logged_step: int
         and is_last_batch(trainer)
     )
     every = every_n_steps or trainer.log_every_n_steps
-    return step % every == 0 or trainer.should_stop or ending
+    return (every > 0 and step % every == 0) or trainer.should_stop or ending
 
 
 def table_labels(keys: Sequence[str]) -> dict[str, str]:
@@ -168,7 +168,8 @@ class WeightNormCallback(_NormCallback):
             ``log_every_n_steps``.
 
     Raises:
-        ValueError: for a non-positive ``every_n_steps``.
+        ValueError: for a non-positive ``every_n_steps``; at a logging step, when a callable
+            of ``how_to_log`` returns more than one number (naming the parameters).
         TypeError: if ``how_to_log`` is neither callable, mapping nor None.
     """
 
@@ -202,15 +203,24 @@ class WeightNormCallback(_NormCallback):
 
     @override
     def _compute(self, pl_module: L.LightningModule) -> dict[str, float]:
-        values = {k: float(v) for k, v in weights_to_log(pl_module, self.how_to_log).items()}
+        raw = weights_to_log(pl_module, self.how_to_log)
+        values = {k: float(v) for k, v in raw.items() if v.numel() == 1}
+        # A callable that returns several numbers: named, on every rank (no rank left waiting).
+        shapes = {k: tuple(v.shape) for k, v in raw.items() if v.numel() != 1}
         how = self.how_to_log
         fns = list(how.values()) if isinstance(how, Mapping) else [how or l2_norm]
         if is_distributed() and not all(is_whole_table_norm(fn) for fn in fns):
             # Other callables give per-rank values (``/rank{r}`` keys): rank 0 logs them all.
             gathered: list[Any] = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(gathered, values)
-            for rank_values in gathered:
+            torch.distributed.all_gather_object(gathered, (values, shapes))
+            for rank_values, rank_shapes in gathered:
                 values.update(rank_values)
+                shapes.update(rank_shapes)
+        if shapes:
+            raise ValueError(
+                "WeightNormCallback(how_to_log=...) must reduce each parameter to one number; "
+                f"it returned tensors of these shapes: {dict(sorted(shapes.items()))}"
+            )
         return values
 
 
@@ -226,26 +236,25 @@ class EmbeddingNormCallback(_NormCallback):
 
     Args:
         tables: table names (e.g. ``"t_cat_0"``) or state-dict keys; None for every table.
-        sample_size: most rows read per table and rank.
+        sample_size: most rows read per table and rank (a whole number; ``4e6`` is one).
         every_n_steps: cadence in optimizer steps; None follows ``log_every_n_steps``.
         seed: seed of the row sample.
 
     Raises:
         ValueError: for a non-positive ``sample_size`` or ``every_n_steps``.
+        TypeError: for a ``sample_size`` with a fraction, or not a number.
     """
 
     def __init__(
         self,
         tables: Sequence[str] | None = None,
-        sample_size: int = 4_000_000,
+        sample_size: float = 4_000_000,
         every_n_steps: int | None = None,
         seed: int = 0,
     ) -> None:
         super().__init__(every_n_steps)
-        if sample_size < 1:
-            raise ValueError(f"sample_size must be >= 1, got {sample_size}")
         self.tables = list(tables) if tables is not None else None
-        self.sample_size = sample_size
+        self.sample_size = as_sample_size(sample_size)
         self.seed = seed
         self._keys: dict[str, str] = {}
 

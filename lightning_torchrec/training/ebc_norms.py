@@ -8,6 +8,7 @@ for any sharding. Collectives use the default group: every rank must call with t
 from __future__ import annotations
 
 import difflib
+import math
 import zlib
 from collections.abc import Iterable, Mapping
 
@@ -99,6 +100,31 @@ def row_squares(shards: list[LocalShard], rows: torch.Tensor) -> torch.Tensor:
     return squares
 
 
+def as_sample_size(sample_size: float) -> int:
+    """A number of rows to sample: an int, or a float without fraction such as ``4e6``.
+
+    A float reached ``torch.randperm(n)[:k]`` only on tables with more rows than it, so it
+    failed at the first logging step, on the ranks holding such tables only.
+
+    Args:
+        sample_size: the requested number of rows.
+
+    Returns:
+        It as an int.
+
+    Raises:
+        TypeError: for a fraction, a bool or a non-number.
+        ValueError: when it is below 1.
+    """
+    if isinstance(sample_size, float) and sample_size.is_integer():
+        sample_size = int(sample_size)
+    if isinstance(sample_size, bool) or not isinstance(sample_size, int):
+        raise TypeError(f"sample_size must be a whole number of rows, got {sample_size!r}")
+    if sample_size < 1:
+        raise ValueError(f"sample_size must be >= 1, got {sample_size}")
+    return sample_size
+
+
 def _seed(seed: int, key: str, rank: int | None) -> int:
     # Replicated tables (rank None) sample the same rows on every rank.
     return (seed * 1_000_003 + zlib.crc32(f"{key}|{rank}".encode())) % (2**63)
@@ -107,7 +133,7 @@ def _seed(seed: int, key: str, rank: int | None) -> int:
 def log_ebc_norms(
     model_state_dict: Mapping[str, torch.Tensor],
     ebc_keys: Iterable[str],
-    sample_size: int = 4_000_000,
+    sample_size: float = 4_000_000,
     *,
     seed: int = 0,
 ) -> dict[str, torch.Tensor]:
@@ -134,11 +160,11 @@ def log_ebc_norms(
         replicated tables counted once; -1 for an empty table). 0-dim float32 CPU tensors.
 
     Raises:
-        ValueError: When ``sample_size < 1`` or a table is not 2-D.
+        ValueError: When ``sample_size < 1`` or a table is not 2-D (naming it, on every rank).
+        TypeError: When ``sample_size`` is not a whole number (``4e6`` is).
         KeyError: When a key is missing from ``model_state_dict`` on every rank.
     """
-    if sample_size < 1:
-        raise ValueError(f"sample_size must be >= 1, got {sample_size}")
+    sample_size = as_sample_size(sample_size)
     keys = list(ebc_keys)
     rank, world_size = rank_and_world_size()
     device = collective_device()
@@ -151,6 +177,12 @@ def log_ebc_norms(
             )
             continue
         info = shard_info(tensor)
+        # The global shape: every rank holding the key raises. No rows at all is -1, not 2-D.
+        if len(info.global_shape) != 2 and math.prod(info.global_shape) > 0:
+            raise ValueError(
+                f"ebc_keys names {key!r} of shape {tuple(info.global_shape)}: row norms need "
+                "2-D embedding tables"
+            )
         stream = _seed(seed, key, None if info.replicated else rank)
         generator = torch.Generator().manual_seed(stream)
         norms, n_rows = sampled_row_norms(info.shards, sample_size, generator)

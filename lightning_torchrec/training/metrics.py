@@ -26,11 +26,17 @@ without positives).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
-from lightning_torchrec.training.window_metrics import SampleWindow, all_reduce_sum, gather_window
+from lightning_torchrec.training.window_metrics import (
+    SampleWindow,
+    all_reduce_sum,
+    batch_rows,
+    gather_window,
+)
 
 __all__ = [
     "RecMetrics",
@@ -102,6 +108,14 @@ def _curve(
     return torch.cumsum(w * y, 0)[last_of_tie], torch.cumsum(w * (1 - y), 0)[last_of_tie]
 
 
+def _nan_if_nan(values: torch.Tensor, area: torch.Tensor) -> torch.Tensor:
+    """NaN where ``values`` hold a NaN, else ``area`` (no host synchronisation).
+
+    Sorting ranks NaN scores above every other: the area would be a number that hides them.
+    """
+    return torch.where(values.isnan().any(), math.nan, area)
+
+
 def _auroc_of_curve(tp: torch.Tensor, fp: torch.Tensor) -> torch.Tensor:
     tpr = torch.cat([tp.new_zeros(1), tp / tp[-1]])
     fpr = torch.cat([fp.new_zeros(1), fp / fp[-1]])
@@ -127,9 +141,11 @@ def auroc(
         weights: sample weights ``[N]``, or None for 1.
 
     Returns:
-        A float64 scalar.
+        A float64 scalar; NaN without samples or with a NaN score.
     """
-    return _auroc_of_curve(*_curve(predictions, labels, weights))
+    if predictions.numel() == 0:
+        return predictions.new_tensor(math.nan, dtype=torch.float64)
+    return _nan_if_nan(predictions, _auroc_of_curve(*_curve(predictions, labels, weights)))
 
 
 def auprc(
@@ -143,9 +159,11 @@ def auprc(
         weights: sample weights ``[N]``, or None for 1.
 
     Returns:
-        A float64 scalar.
+        A float64 scalar; NaN without samples or with a NaN score.
     """
-    return _auprc_of_curve(*_curve(predictions, labels, weights))
+    if predictions.numel() == 0:
+        return predictions.new_tensor(math.nan, dtype=torch.float64)
+    return _nan_if_nan(predictions, _auprc_of_curve(*_curve(predictions, labels, weights)))
 
 
 def batch_size_of(batch: object) -> int:
@@ -182,7 +200,10 @@ def _ne_and_calibration(sums: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def _ranking(rows: torch.Tensor, names: Sequence[str]) -> dict[str, torch.Tensor]:
-    """AUROC and AUPRC of ``[N, 3]`` rows (one sort); 0.5 and 0 where they have no signal."""
+    """AUROC and AUPRC of ``[N, 3]`` rows (one sort); 0.5 and 0 where they have no signal.
+
+    NaN where a prediction, label or weight is NaN (no area is meaningful then).
+    """
     no_signal = {"auroc": 0.5, "auprc": 0.0}
     wanted = [name for name in names if name in no_signal]
     if rows.shape[0] == 0 or not wanted:
@@ -191,7 +212,10 @@ def _ranking(rows: torch.Tensor, names: Sequence[str]) -> dict[str, torch.Tensor
     area = {"auroc": _auroc_of_curve, "auprc": _auprc_of_curve}
     # The last point of the curve holds the weighted positives and negatives.
     signal = {"auroc": tp[-1] * fp[-1] > 0, "auprc": tp[-1] > 0}
-    return {name: torch.where(signal[name], area[name](tp, fp), no_signal[name]) for name in wanted}
+    return {
+        name: _nan_if_nan(rows, torch.where(signal[name], area[name](tp, fp), no_signal[name]))
+        for name in wanted
+    }
 
 
 class RecMetrics:
@@ -208,11 +232,13 @@ class RecMetrics:
             ``T`` tasks (column ``t`` is task ``tasks[t]``).
         metrics: which of ``ne``, ``calibration``, ``auroc``, ``auprc``.
         window_size: samples (over all ranks) of the window values.
-        world_size: ranks that update (None: the process group's, or 1).
+        world_size: ranks that update (None: the process group's when the metrics are
+            computed, or 1: a ``RecMetrics`` built before the process group works under it).
         rank: this rank (None: the process group's, or 0).
 
     Raises:
-        ValueError: for an unknown metric, no task, or a window of less than 1 sample.
+        ValueError: for an unknown metric, no task, a task named twice, tasks given as one
+            string, or a window of less than 1 sample.
     """
 
     def __init__(
@@ -226,18 +252,33 @@ class RecMetrics:
         unknown = sorted(set(metrics) - set(_METRICS))
         if unknown or not tasks:
             raise ValueError(f"unknown metrics {unknown} (known: {sorted(_METRICS)}) or no task")
+        if isinstance(tasks, str):
+            raise ValueError(f"tasks must be a sequence of task names, got the string {tasks!r}")
+        twice = sorted({task for task in tasks if list(tasks).count(task) > 1})
+        if twice:
+            raise ValueError(f"tasks {twice} are named twice: their values would share keys")
         if window_size < 1:
             raise ValueError(f"window_size must be at least 1 sample, got {window_size}")
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        self.world_size = world_size or (torch.distributed.get_world_size() if distributed else 1)
-        self.rank = (
-            rank if rank is not None else (torch.distributed.get_rank() if distributed else 0)
-        )
+        self._world_size, self._rank = world_size, rank
         self.tasks = list(tasks)
         self.metric_names = list(metrics)
         self.window_size = window_size
         self.window: SampleWindow | None = None
         self.lifetime: torch.Tensor | None = None
+
+    @property
+    def world_size(self) -> int:
+        """Ranks that update: as given, else the process group's now (1 without one)."""
+        if self._world_size:
+            return self._world_size
+        return torch.distributed.get_world_size() if _process_group() else 1
+
+    @property
+    def rank(self) -> int:
+        """This rank: as given, else the process group's now (0 without one)."""
+        if self._rank is not None:
+            return self._rank
+        return torch.distributed.get_rank() if _process_group() else 0
 
     def update(
         self,
@@ -251,19 +292,12 @@ class RecMetrics:
             predictions: probabilities, ``[B]`` or ``[B, T]``.
             labels: 0/1 labels of the same shape.
             weights: sample weights of the same shape (or ``[B]`` for all tasks), None for 1.
+
+        Raises:
+            ValueError: when the shapes do not fit the tasks or each other (checked on the
+                host, from the shapes only).
         """
-        predictions = predictions.detach().float()
-        if predictions.dim() == 1:
-            predictions = predictions.unsqueeze(1)
-        labels = labels.detach().float().reshape(predictions.shape)
-        if weights is None:
-            weights = torch.ones_like(predictions)
-        else:
-            weights = weights.detach().float()
-            weights = (weights.unsqueeze(1) if weights.dim() == 1 else weights).expand_as(
-                predictions
-            )
-        rows = torch.stack([predictions, labels, weights], 1)
+        rows = batch_rows(predictions, labels, weights, self.tasks)
         if self.window is None:
             self.window = SampleWindow(self.window_size)
         self.window.append(rows)
@@ -314,10 +348,17 @@ class RecMetrics:
 
         Returns:
             The values.
+
+        Raises:
+            ValueError: for a ``scope`` other than None, ``"lifetime"`` and ``"window"``.
         """
+        if scope not in (None, "lifetime", "window"):
+            raise ValueError(f"scope must be None, 'lifetime' or 'window', got {scope!r}")
         named = {}
         for key, value in self.compute().items():
-            metric, task, kind = key.split("/")
+            # Task names may hold "/" (tags nested in TensorBoard); metrics and scopes do not.
+            metric, rest = key.split("/", 1)
+            task, kind = rest.rsplit("/", 1)
             if scope == "window" and kind != scope:
                 continue
             if scope == "lifetime" and kind != scope and metric in _LIFETIME:
@@ -325,6 +366,10 @@ class RecMetrics:
             base = f"{prefix}/{metric}" + (f"/{task}" if len(self.tasks) > 1 else "")
             named[base if scope is not None else f"{base}_{kind}"] = value
         return named
+
+
+def _process_group() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def task_columns(values: torch.Tensor, num_tasks: int) -> torch.Tensor:

@@ -21,7 +21,54 @@ import torch.distributed as dist
 
 from lightning_torchrec.distributed import all_gather, collective_device, run_collective
 
-__all__ = ["SampleWindow", "all_reduce_sum", "gather_window", "window_shares"]
+__all__ = ["SampleWindow", "all_reduce_sum", "batch_rows", "gather_window", "window_shares"]
+
+
+def batch_rows(
+    predictions: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor | None,
+    tasks: Sequence[str],
+) -> torch.Tensor:
+    """One batch as window rows ``[B, 3, T]`` (prediction, label, weight), float32, detached.
+
+    Args:
+        predictions: ``[B]`` (one task) or ``[B, T]`` for the ``T`` tasks.
+        labels: as many labels (``[B]``, ``[B, 1]`` or ``[B, T]``).
+        weights: ``[B]`` or ``[B, 1]`` (every task), ``[B, T]``, or None for 1.
+        tasks: the task names.
+
+    Returns:
+        The rows.
+
+    Raises:
+        ValueError: naming the tensor whose shape does not fit the tasks or the predictions
+            (only shapes are read: no host synchronisation).
+    """
+    p = predictions.detach().float()
+    p = p.unsqueeze(1) if p.dim() == 1 else p
+    if p.dim() != 2 or p.shape[1] != len(tasks):
+        expected = "[B] or [B, 1]" if len(tasks) == 1 else f"[B, {len(tasks)}]"
+        raise ValueError(
+            f"predictions of shape {tuple(predictions.shape)} do not fit the {len(tasks)} "
+            f"task(s) {list(tasks)}: expected {expected}"
+        )
+    if labels.numel() != p.numel() or labels.shape[:1] != p.shape[:1]:
+        raise ValueError(
+            f"labels of shape {tuple(labels.shape)} do not fit predictions of shape "
+            f"{tuple(predictions.shape)}"
+        )
+    y = labels.detach().float().reshape(p.shape)
+    if weights is None:
+        return torch.stack([p, y, torch.ones_like(p)], 1)
+    w = weights.detach().float()
+    w = w.unsqueeze(1) if w.dim() == 1 else w
+    if w.dim() != 2 or w.shape[0] != p.shape[0] or w.shape[1] not in (1, p.shape[1]):
+        raise ValueError(
+            f"weights of shape {tuple(weights.shape)} do not fit predictions of shape "
+            f"{tuple(predictions.shape)} (expected [B], [B, 1] or the predictions' shape)"
+        )
+    return torch.stack([p, y, w.expand_as(p)], 1)
 
 
 class SampleWindow:
@@ -53,6 +100,10 @@ class SampleWindow:
         """
         n = rows.shape[0]
         self._record(n)
+        if n == 0:  # an empty batch (e.g. a rank's share of a short last step): no rows
+            if self.rows is None:
+                self.rows = rows.new_empty((0, *rows.shape[1:]))
+            return
         if n >= self.size:
             self._reserve(self.size, like=rows)
             self.rows[:] = rows[n - self.size :]  # type: ignore[index]
@@ -81,6 +132,8 @@ class SampleWindow:
             ``[k, ...]`` (a view, or a copy when the rows wrap around the ring).
         """
         assert self.rows is not None and 0 <= k <= self.count
+        if k == 0:
+            return self.rows[:0]
         capacity = self.rows.shape[0]
         begin = (self.start + self.count - k) % capacity
         if begin + k <= capacity:
