@@ -149,7 +149,8 @@ def test_loader_resumes_mid_epoch(criteo_dir: Path, tmp_path: Path, workers: int
     for _ in range(7):
         next(it)
     state = loader.state_dict()
-    assert state == {"start_batch": 7}
+    layout = {"world_size": 1, "readers_per_rank": max(workers, 1), "batch_size": 100}
+    assert state == {"start_batch": 7, "epoch_batches": len(loader), "layout": layout}
     fresh = ResumableDataLoader(
         CriteoIterableDataset("train", days, 100, num_workers=workers), num_workers=workers
     )

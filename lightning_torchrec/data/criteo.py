@@ -38,7 +38,6 @@ from torchrec.datasets.criteo import (
     BinaryCriteoUtils,
     InMemoryBinaryCriteoIterDataPipe,
 )
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_torchrec.data.batch import Batch
 from lightning_torchrec.data.criteo_files import (
@@ -48,15 +47,14 @@ from lightning_torchrec.data.criteo_files import (
     find_tsv_files,
     parse_tsv,
     preprocess,
-    reduce_ids,
     table_sizes_array,
 )
+from lightning_torchrec.data.criteo_ids import check_raw_days, raw_ids_of, reduced_ids_of
 from lightning_torchrec.data.resumable import (
     ResumableDataModule,
     ResumableIterableDataset,
     worker_slot,
 )
-from lightning_torchrec.errors import BatchValidationError
 
 __all__ = [
     "CriteoDataModule",
@@ -89,8 +87,9 @@ class CriteoIterableDataset(ResumableIterableDataset):
             which remap raw ids themselves); ``num_embeddings_per_feature`` must then be None.
 
     Raises:
-        ValueError: for an empty stage, ``val``/``test`` with more than one day, or ``raw_ids``
-            with table sizes or with days whose ids were reduced when preprocessed (not int64).
+        ValueError: for an empty stage, ``val``/``test`` with more than one day, ``raw_ids``
+            with table sizes or with days whose ids were reduced when preprocessed (not int64),
+            a batch size or table size below 1, or a stage without one batch per reader.
     """
 
     def __init__(
@@ -108,6 +107,9 @@ class CriteoIterableDataset(ResumableIterableDataset):
             raise ValueError(f"no Criteo days for stage {stage!r}")
         if stage in ("val", "test") and len(days) != 1:
             raise ValueError(f"stage {stage!r} reads one day (TorchRec's layout), got {len(days)}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        table_sizes_array(num_embeddings_per_feature)  # 26 positive sizes, or None
         self.stage = stage
         self.paths = {k: [f"{d}_{k}.npy" for d in days] for k in NPY_KINDS}
         self.batch_size = batch_size
@@ -119,7 +121,7 @@ class CriteoIterableDataset(ResumableIterableDataset):
         )
         self.raw_ids = raw_ids
         if raw_ids:
-            _check_raw_days(self.paths["sparse"], self.hashes)
+            check_raw_days(self.paths["sparse"], self.hashes)
         # Raw int64 ids are reduced here, as uint64: TorchRec's reader would take the modulo of
         # a 16-hex-digit id above 2**63 - 1 from its negative int64, a wrong row.
         self.reduce_here = self.hashes is not None and any(
@@ -133,6 +135,12 @@ class CriteoIterableDataset(ResumableIterableDataset):
         readers = world_size * self.num_slots
         self.batches_per_slot = sum(rows) // batch_size // readers
         self.num_rows = sum(rows)
+        if self.batches_per_slot == 0:
+            raise ValueError(
+                f"Criteo stage {stage!r} ({self.num_rows} rows of {days[0]}...) gives each of "
+                f"{world_size} ranks x {self.num_slots} workers no batch of {batch_size} rows: "
+                "use more rows, a smaller batch or fewer workers"
+            )
 
     def __len__(self) -> int:
         return self.batches_per_slot * self.num_slots
@@ -164,58 +172,14 @@ class CriteoIterableDataset(ResumableIterableDataset):
         for i, b in enumerate(pipe):
             if i < skip:
                 continue
-            sparse = _raw(b.sparse_features) if self.raw_ids else b.sparse_features
+            sparse = raw_ids_of(b.sparse_features) if self.raw_ids else b.sparse_features
             if self.reduce_here:
-                sparse = _reduced(sparse, np.asarray(self.hashes, dtype=np.int64))
+                sparse = reduced_ids_of(sparse, np.asarray(self.hashes, dtype=np.int64))
             yield Batch(
                 dense_features=b.dense_features.clone(),
                 sparse_features=sparse,
                 labels=b.labels.to(torch.float32),
             )
-
-
-def _check_raw_days(sparse_files: Sequence[str], hashes: Sequence[int] | None) -> None:
-    """Refuses ``raw_ids`` with table sizes, or with days whose ids were reduced on disk."""
-    if hashes is not None:
-        raise ValueError(
-            "raw_ids=True yields the stored ids unchanged: pass num_embeddings_per_feature=None "
-            f"(got table sizes {list(hashes)[:3]}...)"
-        )
-    for path in sparse_files:
-        dtype = np.load(path, mmap_mode="r").dtype
-        if dtype != np.int64:
-            raise ValueError(
-                f"raw_ids=True needs raw int64 ids, but {path} holds {dtype} ids (reduced modulo "
-                "table sizes when preprocessed): preprocess without num_embeddings_per_feature"
-            )
-
-
-def _reduced(kjt: KeyedJaggedTensor, sizes: np.ndarray) -> KeyedJaggedTensor:
-    """The batch with its ids (one per sample and feature) modulo the features' table sizes."""
-    ids = reduce_ids(kjt.values().numpy().reshape(len(sizes), -1), sizes[:, None])
-    return KeyedJaggedTensor(
-        keys=kjt.keys(),
-        values=torch.from_numpy(ids.reshape(-1)),
-        lengths=kjt.lengths(),
-        offsets=kjt.offsets(),
-        stride=kjt.stride(),
-        length_per_key=kjt.length_per_key(),
-        offset_per_key=kjt.offset_per_key(),
-    )
-
-
-def _raw(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
-    """The batch's raw ids; a negative one (a hex id of 64 bits) is refused, naming it."""
-    values = kjt.values()
-    if values.numel() and int(values.min()) < 0:
-        offsets = kjt.offset_per_key()
-        first = int(torch.nonzero(values < 0)[0])
-        key = next(k for k, end in zip(kjt.keys(), offsets[1:], strict=True) if first < end)
-        raise BatchValidationError(
-            f"feature {key}: raw id {int(values[first])} is negative (a hex id above 2**63 - 1); "
-            "raw ids must be non-negative int64"
-        )
-    return kjt
 
 
 class CriteoDataModule(ResumableDataModule):

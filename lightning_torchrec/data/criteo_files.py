@@ -41,14 +41,21 @@ for _i, _c in enumerate(b"ABCDEF"):
 NPY_KINDS = ("dense", "sparse", "labels")
 
 
+#: An integer field as pyarrow parses it (empty is 0), if within int64's range.
+_INT = re.compile(rb"(-?[0-9]{1,19})?")
+
+
 MARKER = "lightning_torchrec_preprocess.json"
 
 
-def _hex_column(array: pa.Array | pa.ChunkedArray, name: str) -> np.ndarray:
+def _hex_column(
+    array: pa.Array | pa.ChunkedArray, name: str, source: str = "", first_line: int = 1
+) -> np.ndarray:
     """Parses a string column of hex ids (empty or null is 0) without Python objects.
 
     The ids come back as int64 holding the bits of the uint64 value: one of 16 hex digits
     above ``2**63 - 1`` is negative; ``ids.view(np.uint64)`` is its value (see :func:`reduce_ids`).
+    A bad id is named by its line (row 0 is line ``first_line`` of the file ``source``).
     """
     if isinstance(array, pa.ChunkedArray):
         array = array.combine_chunks()
@@ -61,8 +68,14 @@ def _hex_column(array: pa.Array | pa.ChunkedArray, name: str) -> np.ndarray:
     )
     starts = offsets[:-1].astype(np.int64)
     lengths = np.diff(offsets)
+
+    def bad_row(row: int, why: str) -> ValueError:
+        text = bytes(data[starts[row] : starts[row] + lengths[row]]) if data is not None else b""
+        at = f"{source}, line {first_line + row}" if source else f"row {row}"
+        return ValueError(f"{at}: column {name} holds {text.decode(errors='replace')!r}: {why}")
+
     if n and int(lengths.max(initial=0)) > 16:
-        raise ValueError(f"column {name}: ids longer than 16 hex digits")
+        raise bad_row(int(np.flatnonzero(lengths > 16)[0]), "ids longer than 16 hex digits")
     values = np.zeros(n, dtype=np.uint64)
     if data is None:
         return values.astype(np.int64)
@@ -70,8 +83,7 @@ def _hex_column(array: pa.Array | pa.ChunkedArray, name: str) -> np.ndarray:
         valid = j < lengths
         digits = _HEX[data[np.minimum(starts + j, len(data) - 1)]]
         if np.any(valid & (digits == 255)):
-            bad = int(np.flatnonzero(valid & (digits == 255))[0])
-            raise ValueError(f"column {name}: row {bad} is not a hex id")
+            raise bad_row(int(np.flatnonzero(valid & (digits == 255))[0]), "not a hex id")
         values = np.where(valid, values * np.uint64(16) + digits.astype(np.uint64), values)
     return values.view(np.int64)
 
@@ -122,7 +134,8 @@ def parse_tsv(
         ``2**63 - 1`` is negative: its bits, see :func:`reduce_ids`).
 
     Raises:
-        ValueError: for a file with neither 40 nor 39 columns, or a malformed field.
+        ValueError: for a file with neither 40 nor 39 columns, or a malformed line, naming the
+            file and the line (and the column of a bad field).
     """
     path = Path(path)
     ncols = _num_columns(path)
@@ -139,17 +152,24 @@ def parse_tsv(
     read_options = pacsv.ReadOptions(column_names=names, use_threads=True)
     parse_options = pacsv.ParseOptions(delimiter="\t", quote_char=False)
     convert_options = pacsv.ConvertOptions(column_types=types, strings_can_be_null=False)
+    first_line = 1  # the file's line number of the block's first line
     # Cut the file into blocks at line ends and parse each block on its own: pyarrow's
     # streaming reader reads ahead, up to the whole file.
     for block in _line_blocks(path, block_size):
         read_options.block_size = len(block) + 1
-        table = pacsv.read_csv(
-            pa.py_buffer(block),
-            read_options=read_options,
-            parse_options=parse_options,
-            convert_options=convert_options,
-        ).combine_chunks()
-        n = table.num_rows
+        try:
+            table = pacsv.read_csv(
+                pa.py_buffer(block),
+                read_options=read_options,
+                parse_options=parse_options,
+                convert_options=convert_options,
+            ).combine_chunks()
+        except pa.ArrowInvalid as e:
+            raise ValueError(f"{path}, {_bad_line(block, first_line, names, e)}") from e
+        n, block_line = table.num_rows, first_line
+        first_line += n
+        if n != block.count(b"\n") + (not block.endswith(b"\n")):  # pyarrow skips blank lines
+            raise ValueError(f"{path}, {_bad_line(block, block_line, names, 'blank line')}")
         if n == 0:
             continue
         labels = (
@@ -158,8 +178,27 @@ def parse_tsv(
             else np.full(n, -1, dtype=np.int32)
         )
         dense = np.stack([_int_column(table.column(c)) for c in DEFAULT_INT_NAMES], axis=1)
-        sparse = np.stack([_hex_column(table.column(c), c) for c in DEFAULT_CAT_NAMES], axis=1)
+        sparse = np.stack(
+            [_hex_column(table.column(c), c, str(path), block_line) for c in DEFAULT_CAT_NAMES],
+            axis=1,
+        )
         yield labels, dense, sparse
+
+
+def _bad_line(block: bytes, first_line: int, names: Sequence[str], error: Exception) -> str:
+    """Which line of a block pyarrow refused, and why (the block's first line is ``first_line``)."""
+    lines = block.split(b"\n")
+    for i, line in enumerate(lines[:-1] if block.endswith(b"\n") else lines):
+        fields = line.rstrip(b"\r").split(b"\t")
+        at = f"line {first_line + i}"
+        if len(fields) != len(names):
+            blank = " (a blank line)" if fields == [b""] else ""
+            return f"{at}: expected {len(names)} tab-separated columns, found {len(fields)}{blank}"
+        for name, field in zip(names, fields, strict=True):
+            ok = _INT.fullmatch(field) and -(2**63) <= int(field or b"0") < 2**63
+            if name not in DEFAULT_CAT_NAMES and not ok:
+                return f"{at}: column {name} holds {field.decode(errors='replace')!r}, not an int64"
+    return f"lines {first_line}-{first_line + len(lines) - 1}: {error}"
 
 
 def _line_blocks(path: Path, block_size: int) -> Iterator[bytes]:

@@ -15,15 +15,25 @@ from __future__ import annotations
 import glob
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
+from torch.utils.data import DataLoader
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_torchrec.data.batch import Batch
+from lightning_torchrec.data.parquet_columns import (
+    bag_values,
+    check_positive,
+    check_schema,
+    id_column,
+    is_bag,
+    number_column,
+    number_tensor,
+)
 from lightning_torchrec.data.resumable import (
     ResumableDataModule,
     ResumableIterableDataset,
@@ -60,97 +70,6 @@ def expand_paths(paths: str | Sequence[str]) -> list[Path]:
     return files
 
 
-def _is_number(t: pa.DataType) -> bool:
-    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
-
-
-def _is_bag(t: pa.DataType) -> bool:
-    return pa.types.is_list(t) or pa.types.is_large_list(t)
-
-
-def _is_ids(t: pa.DataType) -> bool:
-    return pa.types.is_integer(t.value_type if _is_bag(t) else t)
-
-
-def _check_schema(
-    path: Path,
-    schema: pa.Schema,
-    dense: Sequence[str],
-    sparse: Sequence[str],
-    label: str,
-    weight: str | None,
-) -> None:
-    names = set(schema.names)
-    wanted = [(c, "dense") for c in dense] + [(c, "sparse") for c in sparse] + [(label, "label")]
-    wanted += [(weight, "weight")] if weight is not None else []
-    for column, role in wanted:
-        if column not in names:
-            raise ValueError(
-                f"{path}: {role} column {column!r} is missing (columns: {sorted(names)})"
-            )
-        t = schema.field(column).type
-        ok = _is_ids(t) if role == "sparse" else _is_number(t)
-        if not ok:
-            expected = "a list of integer ids or an integer id" if role == "sparse" else "a number"
-            raise ValueError(f"{path}: {role} column {column!r} must be {expected}, got {t}")
-
-
-def _reduce(values: np.ndarray, size: int | None, where: str) -> np.ndarray:
-    """Ids as int64 modulo ``size`` (None: as is); uint64 ids are reduced as uint64, not wrapped."""
-    if values.dtype == np.uint64:
-        if size is not None:
-            return (values % np.uint64(size)).astype(np.int64)
-        too_big = values > np.uint64(np.iinfo(np.int64).max)
-        if too_big.any():
-            raise ValueError(
-                f"{where} holds id {int(values[too_big][0])}, above the int64 maximum "
-                "2**63 - 1: pass num_embeddings_per_feature to take ids modulo the table sizes"
-            )
-    values = values.astype(np.int64)
-    return values if size is None else values % size
-
-
-def _ids(array: pa.ChunkedArray, size: int | None, where: str, bags: bool) -> pa.Array:
-    """An id column as int64 ids modulo ``size``, without nulls.
-
-    A large list array (a null list is empty) if ``bags`` or the column holds lists, else int64.
-    """
-    arr = array.combine_chunks()
-    if not _is_bag(arr.type):
-        values = _reduce(pc.fill_null(arr, 0).to_numpy(), size, where)
-        if not bags:
-            return pa.array(values)
-        offsets = np.arange(len(arr) + 1, dtype=np.int64)
-    else:
-        lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy().astype(np.int64)
-        values = _reduce(pc.fill_null(arr.flatten(), 0).to_numpy(), size, where)
-        offsets = np.concatenate([np.zeros(1, np.int64), np.cumsum(lengths)])
-    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))
-
-
-def _bag_values(array: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
-    """(values int64, lengths int32) of an id column made by :func:`_ids`."""
-    arr = array.combine_chunks()
-    if not _is_bag(arr.type):
-        return arr.to_numpy(), np.ones(len(arr), np.int32)
-    return arr.flatten().to_numpy(), pc.list_value_length(arr).to_numpy().astype(np.int32)
-
-
-def _number(array: pa.ChunkedArray) -> pa.Array:
-    """A number column as one float32 array without nulls (null is 0)."""
-    return pc.fill_null(array.cast(pa.float32()), 0.0).combine_chunks()
-
-
-def _number_tensor(array: pa.ChunkedArray) -> torch.Tensor:
-    """A number column as a float32 tensor sharing the Arrow buffer (no copy).
-
-    ``torch.from_numpy`` of Arrow's read-only NumPy view would warn that the tensor is writable
-    while its memory is not; DLPack hands the buffer over instead. That buffer is the row
-    group's own (decoded from the file) or the cast's: nothing else reads these rows.
-    """
-    return torch.from_dlpack(_number(array))
-
-
 class ParquetClickDataset(ResumableIterableDataset):
     """Batches of click samples streamed from Parquet row groups (see the module docstring).
 
@@ -169,7 +88,8 @@ class ParquetClickDataset(ResumableIterableDataset):
 
     Raises:
         ValueError: naming the file and column, for a missing column or one of the wrong type,
-            or when the files have fewer rows than one batch per reader.
+            when the files have fewer rows than one batch per reader, or for a table size or
+            batch size below 1.
     """
 
     def __init__(
@@ -199,6 +119,9 @@ class ParquetClickDataset(ResumableIterableDataset):
         )
         if self.hashes is not None and len(self.hashes) != len(self.sparse_columns):
             raise ValueError("num_embeddings_per_feature needs one size per sparse column")
+        if self.hashes is not None:
+            check_positive("num_embeddings_per_feature", self.hashes)
+        check_positive("batch_size", batch_size)
         self.batch_size = batch_size
         self.rank = rank
         self.world_size = world_size
@@ -209,11 +132,11 @@ class ParquetClickDataset(ResumableIterableDataset):
         for i, path in enumerate(self.files):
             meta = pq.read_metadata(path)
             schema = meta.schema.to_arrow_schema()
-            _check_schema(
+            check_schema(
                 path, schema, self.dense_columns, self.sparse_columns, label_column, weight_column
             )
             for f, column in enumerate(self.sparse_columns):
-                self.bags[f] |= _is_bag(schema.field(column).type)
+                self.bags[f] |= is_bag(schema.field(column).type)
             self.row_groups += [
                 (i, g, meta.row_group(g).num_rows) for g in range(meta.num_row_groups)
             ]
@@ -260,21 +183,21 @@ class ParquetClickDataset(ResumableIterableDataset):
         Numbers become float32 (null is 0), ids int64 modulo the table sizes (null lists are
         empty bags, null ids 0): row groups of differently typed files concatenate.
         """
-        columns = {c: _number(table.column(c)) for c in self.dense_columns}
+        columns = {c: number_column(table.column(c)) for c in self.dense_columns}
         for f, c in enumerate(self.sparse_columns):
             size = None if self.hashes is None else self.hashes[f]
             where = f"{source}: sparse column {c!r}"
-            columns[c] = _ids(table.column(c), size, where, self.bags[f])
+            columns[c] = id_column(table.column(c), size, where, self.bags[f])
         for c in [self.label_column] + ([self.weight_column] if self.weight_column else []):
-            columns[c] = _number(table.column(c))
+            columns[c] = number_column(table.column(c))
         return pa.table(columns)
 
     def _batch(self, rows: pa.Table) -> Batch:
         """The batch of rows made by :meth:`_normalise`."""
         # np.stack copies the columns into one writable [batch, dense] array.
-        dense = np.stack([_number(rows.column(c)).to_numpy() for c in self.dense_columns], 1)
-        ids = [_bag_values(rows.column(c)) for c in self.sparse_columns]
-        weights = _number_tensor(rows.column(self.weight_column)) if self.weight_column else None
+        dense = np.stack([number_column(rows.column(c)).to_numpy() for c in self.dense_columns], 1)
+        ids = [bag_values(rows.column(c)) for c in self.sparse_columns]
+        weights = number_tensor(rows.column(self.weight_column)) if self.weight_column else None
         return Batch(
             dense_features=torch.from_numpy(dense),
             sparse_features=KeyedJaggedTensor.from_lengths_sync(
@@ -282,7 +205,7 @@ class ParquetClickDataset(ResumableIterableDataset):
                 values=torch.from_numpy(np.concatenate([v for v, _ in ids])),
                 lengths=torch.from_numpy(np.concatenate([n for _, n in ids])),
             ),
-            labels=_number_tensor(rows.column(self.label_column)),
+            labels=number_tensor(rows.column(self.label_column)),
             weights=weights,
         )
 
@@ -366,6 +289,10 @@ class ParquetClickData(ResumableDataModule):
         # Checks the columns of every stage's files now, not at the stage's first batch.
         for stage in [stage for stage, given in self.paths.items() if given is not None]:
             self.dataset(stage)
+
+    def val_dataloader(self) -> DataLoader[Any] | list[Any]:
+        """Validation batches; none without ``val_paths`` (``fit`` then skips validation)."""
+        return super().val_dataloader() if self.paths["val"] is not None else []
 
     def dataset(self, stage: str, num_workers: int = 0) -> ParquetClickDataset:
         """The dataset of one stage on this rank.

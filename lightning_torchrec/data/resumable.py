@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
@@ -74,6 +75,27 @@ def trainer_position(trainer: Any) -> int | None:
     return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
 
 
+def resume_position(trainer: Any) -> int | None:
+    """Where a training loader resumes: :func:`trainer_position`, 0 once the epoch is complete.
+
+    An epoch is complete when the training step processed all of the epoch's batches, which
+    are the trainer's ``num_training_batches`` (``limit_train_batches`` may make them fewer
+    than the loader's length): the next epoch then starts from its first batch. Lightning
+    restores a loader's state even after a complete epoch when the fit is bounded by
+    ``max_steps``, so a count equal to the limit would skip the next epoch's first batches.
+
+    Args:
+        trainer: the Lightning Trainer, or None.
+
+    Returns:
+        The batches of the current epoch to skip on resume; None without a trainer.
+    """
+    processed = trainer_position(trainer)
+    if processed is None or processed < trainer.num_training_batches:
+        return processed
+    return 0
+
+
 class ResumableIterableDataset(IterableDataset):
     """Base of the streaming datasets: the number of batches to skip at the next iteration.
 
@@ -82,6 +104,25 @@ class ResumableIterableDataset(IterableDataset):
     """
 
     start_batch: int = 0
+
+    def layout(self) -> dict[str, int]:
+        """What the order of an epoch's batches depends on besides the data.
+
+        A dataset with ``world_size``, ``num_slots`` (readers per rank: its DataLoader workers)
+        and ``batch_size`` attributes returns them (the Criteo and Parquet readers); others none.
+        A checkpoint written within an epoch records them, and a resume under another layout
+        skips as many rows instead of the same count of batches, with a warning
+        (:meth:`ResumableDataLoader.load_state_dict`).
+
+        Returns:
+            ``{name: value}``, e.g. ``{"world_size": 2, "readers_per_rank": 1,
+            "batch_size": 512}``; empty when the dataset lacks one of them.
+        """
+        names = {"world_size": "world_size", "readers_per_rank": "num_slots"}
+        names["batch_size"] = "batch_size"
+        if not all(hasattr(self, attribute) for attribute in names.values()):
+            return {}
+        return {key: int(getattr(self, attribute)) for key, attribute in names.items()}
 
     def state_dict(self) -> dict[str, int]:
         """The position to resume from.
@@ -140,25 +181,65 @@ class ResumableDataLoader(DataLoader):
             self.yielded += 1
             yield batch
 
-    def state_dict(self) -> dict[str, int]:
-        """The batches of the current epoch consumed so far.
+    def state_dict(self) -> dict[str, Any]:
+        """The batches of the current epoch consumed so far, and the layout they were read in.
 
         Returns:
-            ``{"start_batch": n}``.
+            ``{"start_batch": n, "epoch_batches": len(self), "layout": {...}}`` (the dataset's
+            :meth:`~ResumableIterableDataset.layout`; no ``layout`` when it has none).
         """
         consumed = self.position() if self.position is not None else None
-        return {"start_batch": int(self.yielded if consumed is None else consumed)}
+        state: dict[str, Any] = {
+            "start_batch": int(self.yielded if consumed is None else consumed),
+            "epoch_batches": len(self),
+        }
+        layout = self.dataset.layout()
+        return state | ({"layout": layout} if layout else {})
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Makes the next iteration start after ``state["start_batch"]`` batches.
 
-        A position at or past the end of the epoch starts the next epoch from its beginning.
+        A position at or past the end of the epoch (the saved one's, when the state has its
+        length) starts the next epoch from its beginning. A position within the epoch saved
+        under another layout (number of ranks, readers per rank or batch size) than the
+        dataset's cannot resume exactly: its batches come in another order. It skips as many
+        rows as were trained on (``start * world_size * batch_size`` of the saved layout,
+        divided by this one's), with a warning naming the change, as the strategy carries a
+        map-style loader's position to another world size.
 
         Args:
             state: from :meth:`state_dict`.
         """
         start = int(state.get("start_batch", 0))
-        self.skip_next = start if 0 < start < len(self) else 0
+        self.skip_next = 0
+        if not 0 < start < int(state.get("epoch_batches", len(self))):
+            return  # saved at an epoch's start or end: the next epoch is whole
+        saved, now = state.get("layout"), self.dataset.layout()
+        if isinstance(saved, dict):
+            changed = {
+                k: (saved[k], now[k]) for k in saved.keys() & now.keys() if saved[k] != now[k]
+            }
+            if changed:
+                start = _rescaled(start, saved, now)
+                differences = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in sorted(changed.items()))
+                rank_zero_warn(
+                    f"{type(self.dataset).__name__} resumes mid-epoch under another layout than "
+                    f"the checkpoint's ({differences}): its batches come in another order, so "
+                    f"this run skips {start} batches per rank, as many rows as were trained on, "
+                    "but not the same rows (some of the epoch may be trained twice, some not "
+                    "at all). Resume with the same ranks, DataLoader workers and batch size, or "
+                    "from a checkpoint written at an epoch's end, for an exact resume."
+                )
+        self.skip_next = start if start < len(self) else 0
+
+
+def _rescaled(start: int, saved: dict[str, Any], now: dict[str, Any]) -> int:
+    """``start`` batches per rank of the ``saved`` layout as batches of the ``now`` one."""
+    try:
+        per_step = [int(x["world_size"]) * int(x["batch_size"]) for x in (saved, now)]
+    except (KeyError, TypeError, ValueError):
+        return start  # a layout without those: the count as it is
+    return start * per_step[0] // per_step[1] if min(per_step) > 0 else start
 
 
 class ResumableDataModule(LightningDataModule):
@@ -199,7 +280,7 @@ class ResumableDataModule(LightningDataModule):
         """Training batches; the position within the epoch is saved in checkpoints."""
         return ResumableDataLoader(
             self.dataset("train", self.num_workers),
-            position=lambda: trainer_position(self.trainer),
+            position=lambda: resume_position(self.trainer),
             num_workers=self.num_workers,
         )
 

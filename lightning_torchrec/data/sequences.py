@@ -35,7 +35,7 @@ from lightning_torchrec.data.resumable import (
     ResumableDataLoader,
     ResumableDataModule,
     ResumableIterableDataset,
-    trainer_position,
+    resume_position,
     worker_slot,
 )
 from lightning_torchrec.data.sequence_batch import SequenceBatch, sequence_batch
@@ -292,6 +292,6 @@ class MovieLensSequenceData(ResumableDataModule):
         return _EpochLoader(
             self.dataset("train"),  # type: ignore[arg-type]
             epoch=lambda: 0 if self.trainer is None else self.trainer.current_epoch,
-            position=lambda: trainer_position(self.trainer),
+            position=lambda: resume_position(self.trainer),
             num_workers=self.num_workers,
         )
