@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -213,6 +214,11 @@ def run(
         if MODE in RECORDED or MODE.startswith("raise_"):
             name = phase if MODE == "kill" else f"{phase}_final"  # onexc_one: after on_exception
             torch.save(result, OUT / f"{name}_rank{trainer.global_rank}.pt")
+            if MODE == "interrupt_apart" and trainer.global_rank == 1:
+                # Both ranks refuse on their own; Lightning's launcher SIGKILLs rank 0 once rank 1
+                # exited non-zero (it polls every 5 s), which on a busy host came before rank 0
+                # had written what it raised.
+                _wait_for(OUT / f"{name}_rank0.pt")
             raise
     finally:
         torch.distributed.broadcast = broadcast
@@ -221,6 +227,12 @@ def run(
     result.update(votes_ahead=votes["ahead"], votes_now=votes["now"])
     torch.save(result, OUT / f"{phase}_rank{trainer.global_rank}.pt")
     return result
+
+
+def _wait_for(path: Path, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def main() -> None:
