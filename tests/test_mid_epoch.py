@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -23,6 +24,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from lightning_torchrec import TorchRecStrategy
 from lightning_torchrec.data.mid_epoch import SkipBatches, skip_batches
 from lightning_torchrec.data.synthetic import SyntheticClickDataset
 from lightning_torchrec.lightning.data_hooks import set_sampler_epoch
@@ -32,6 +34,7 @@ from lightning_torchrec.lightning.mid_epoch import (
     saved_position,
 )
 from tests.helpers import assert_same, load_ranks, run_script
+from tests.scripts.factory import ROWS, cpu_trainer, table_wise, tiny_data, tiny_dlrm
 
 
 class Counting(Dataset):
@@ -235,7 +238,7 @@ def _loops(epoch: dict[str, int], batch: dict[str, int], stepped: int) -> dict[s
 
 
 def test_a_cut_epoch_gets_lightnings_mid_epoch_loop_state_and_nothing_else_is_touched() -> None:
-    from lightning_torchrec.compat.lightning import reopen_cut_epoch
+    from lightning_torchrec.compat.lightning_loops import reopen_cut_epoch
 
     ended = {"ready": 1, "started": 1, "processed": 1, "completed": 1}
     batches = {"ready": 6, "started": 6, "processed": 6, "completed": 6}
@@ -282,3 +285,86 @@ def test_a_position_from_another_world_size_counts_the_same_global_batches() -> 
     )
     assert saved_position({POSITION_KEY: saved}) == saved
     assert saved_position({POSITION_KEY: saved | {"world_size": "2"}}) == {"epoch": 1, "batches": 3}
+
+
+class _Steps(Callback):
+    """Every training step's epoch, batch index, batch fingerprint, loss and learning rates."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, tuple] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        ids = int(batch.sparse_features.values().sum())
+        lrs = tuple(g["lr"] for g in trainer.optimizers[0].param_groups)
+        loss = outputs["loss"].detach().clone()
+        key = (trainer.current_epoch, batch_idx, ids, float(batch.dense_features.sum()))
+        self.steps[trainer.global_step] = (*key, lrs, loss)
+
+
+def _fit_steps(tmp_path: Path, ckpt: Path | None = None, **trainer_kw: Any) -> tuple[Any, dict]:
+    torch.manual_seed(0)
+    model = tiny_dlrm(ROWS, lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5))
+    model.lr_scheduler_interval = "epoch"
+    steps = _Steps()
+    callbacks = [steps, *trainer_kw.pop("callbacks", [])]
+    trainer = cpu_trainer(
+        TorchRecStrategy(constraints=table_wise(2), log_plan=False),
+        callbacks=callbacks,
+        default_root_dir=tmp_path,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+        **trainer_kw,
+    )
+    data = tiny_data(ROWS, 2, batch_size=8, train_batches=6, seed=4)
+    trainer.fit(model, datamodule=data, ckpt_path=ckpt)
+    return trainer, steps.steps
+
+
+@pytest.mark.parametrize("saved_by", ["on_train_epoch_end", "save_checkpoint after max_epochs"])
+def test_an_epoch_end_checkpoint_under_max_steps_without_validation_resumes_bit_equal(
+    tmp_path: Path, saved_by: str
+) -> None:
+    # Lightning (2.6) restarts the ended epoch of an iteration-based fit and, with no validation
+    # to wait for, trained one more batch of it from a new iterator: the epoch's first batch
+    # twice, and every later step one batch behind the uninterrupted run.
+    _, full = _fit_steps(tmp_path / "full", max_steps=9, limit_val_batches=0)
+    if saved_by == "on_train_epoch_end":
+        every_epoch = ModelCheckpoint(tmp_path / "ckpts", every_n_epochs=1, save_top_k=-1)
+        _fit_steps(tmp_path / "a", max_steps=9, limit_val_batches=0, callbacks=[every_epoch])
+        ckpt = tmp_path / "ckpts" / "epoch=0-step=6.ckpt"
+    else:
+        trainer, _ = _fit_steps(tmp_path / "a", max_epochs=1, limit_val_batches=0)
+        ckpt = tmp_path / "after.ckpt"
+        trainer.save_checkpoint(ckpt)
+    _, resumed = _fit_steps(tmp_path / "b", ckpt, max_steps=9, limit_val_batches=0)
+    assert sorted(resumed) == [7, 8, 9]
+    for step, got in resumed.items():
+        assert got[:5] == full[step][:5], (step, got[:5], full[step][:5])  # batch and LRs
+        assert torch.equal(got[5], full[step][5]), step
+
+
+def test_an_ended_epoch_becomes_the_next_epochs_start_and_nothing_else_is_touched() -> None:
+    from lightning_torchrec.compat.lightning_loops import start_next_epoch
+
+    batches = {"ready": 6, "started": 6, "processed": 6, "completed": 6}
+    for completed in (0, 1):  # in on_train_epoch_end, or after it
+        ended = {"ready": 1, "started": 1, "processed": 1, "completed": completed}
+        checkpoint = _loops(ended, batches, 6)
+        checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["is_last_batch"] = True
+        assert start_next_epoch(checkpoint) == 1
+        fit = checkpoint["loops"]["fit_loop"]
+        assert fit["epoch_progress"]["current"] == {
+            "ready": 2,
+            "started": 1,
+            "processed": 1,
+            "completed": 1,
+        }
+        assert fit["epoch_loop.batch_progress"]["total"] == batches  # the global step's count
+        assert set(fit["epoch_loop.batch_progress"]["current"].values()) == {0}
+        assert fit["epoch_loop.state_dict"]["_batches_that_stepped"] == 6
+        assert checkpoint["epoch"] == 1
+    within = {"ready": 1, "started": 1, "processed": 0, "completed": 0}
+    cut = _loops({"ready": 1, "started": 1, "processed": 1, "completed": 1}, batches, 6)
+    for other in (cut, _loops(within, batches, 6), {"loops": {"fit_loop": {}}}, {}):
+        kept = repr(other)
+        assert start_next_epoch(other) is None  # a cut epoch is reopened instead
+        assert repr(other) == kept

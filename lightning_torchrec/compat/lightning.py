@@ -223,50 +223,6 @@ def epoch_running(trainer: Any) -> bool:
     return int(current.started) > int(current.processed)
 
 
-def reopen_cut_epoch(checkpoint: dict[str, Any]) -> int | None:
-    """Turns the loop state of an epoch cut short into Lightning's own mid-epoch state.
-
-    A fit stopped within an epoch (``max_steps``, ``should_stop``) ends that epoch as though it
-    were over (lightning 2.x: its end processed, and completed), so a checkpoint saved then
-    (``trainer.save_checkpoint`` after ``fit``, or in an epoch-end hook) resumes at the next
-    epoch, and the rest of the cut one is never trained. Here the checkpoint's
-    ``loops.fit_loop`` is rewritten to what Lightning saves after the same training batch
-    *within* the epoch (at ``on_train_batch_end``): the epoch's end not processed, the last
-    batch processed but not completed, ``_batches_that_stepped`` one short (Lightning adds it
-    back on restart). Lightning does not step epoch-interval schedulers at a cut epoch's end,
-    so nothing else changed. The caller makes the loader skip the batches trained on.
-
-    Args:
-        checkpoint: Lightning's checkpoint dict, saved after at least one batch of the epoch.
-
-    Returns:
-        The epoch reopened, or None when the loop state is not an ended epoch's (a checkpoint
-        saved within an epoch, or one of another layout, is left as it is).
-    """
-    parts = ("total", "current")
-    try:
-        fit = checkpoint["loops"]["fit_loop"]
-        epochs, batches = fit["epoch_progress"], fit["epoch_loop.batch_progress"]
-        state = fit["epoch_loop.state_dict"]
-        epoch = {
-            p: {k: int(epochs[p][k]) for k in ("started", "processed", "completed")} for p in parts
-        }
-        batch = {p: {k: int(batches[p][k]) for k in ("processed", "completed")} for p in parts}
-        stepped, last = int(state["_batches_that_stepped"]), bool(batches["is_last_batch"])
-    except (KeyError, TypeError, ValueError):
-        return None
-    if last or not all(epoch[p]["started"] == epoch[p]["processed"] >= 1 for p in parts):
-        return None
-    for p in parts:
-        epochs[p]["processed"] = epoch[p]["processed"] - 1
-        epochs[p]["completed"] = min(epoch[p]["completed"], epoch[p]["processed"] - 1)
-        if batch[p]["completed"] == batch[p]["processed"] >= 1:
-            batches[p]["completed"] = batch[p]["completed"] - 1
-    state["_batches_that_stepped"] = max(0, stepped - 1)
-    checkpoint["epoch"] = epochs["current"]["completed"]
-    return epoch["current"]["processed"] - 1
-
-
 def is_last_batch(trainer: Any) -> bool:
     """Whether the batch the running loop just fetched is its dataloader's last.
 

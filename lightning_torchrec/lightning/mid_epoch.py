@@ -17,7 +17,8 @@ import logging
 import warnings
 from typing import Any
 
-from lightning_torchrec.compat.lightning import epoch_running, processed_epochs, reopen_cut_epoch
+from lightning_torchrec.compat.lightning import epoch_running, processed_epochs
+from lightning_torchrec.compat.lightning_loops import reopen_cut_epoch, start_next_epoch
 from lightning_torchrec.compat.upstream import drop_persistent_iterator
 from lightning_torchrec.data.mid_epoch import skip_batches
 from lightning_torchrec.data.resumable import trainer_position
@@ -53,13 +54,16 @@ def epoch_position(trainer: Any) -> dict[str, int] | None:
 
 
 def reopen(checkpoint: dict[str, Any], position: dict[str, int] | None) -> dict[str, int] | None:
-    """Resumes a checkpoint saved after a fit stopped within an epoch inside that epoch.
+    """Resumes a checkpoint saved at an epoch's end, or cut short within it, where it stopped.
 
     Lightning ends an epoch cut short (``max_steps``, ``should_stop``) as though it were over,
     so a checkpoint saved then would resume at the next epoch and never train the rest of the
     cut one. Its loop state is made Lightning's own mid-epoch state
-    (:func:`~lightning_torchrec.compat.lightning.reopen_cut_epoch`), so the resumed run finishes
-    the epoch, skipping the batches trained on as after any mid-epoch checkpoint.
+    (:func:`~lightning_torchrec.compat.lightning_loops.reopen_cut_epoch`), so the resumed run
+    finishes the epoch, skipping the batches trained on as after any mid-epoch checkpoint. A
+    checkpoint saved at an epoch's end resumes at the next epoch's start
+    (:func:`~lightning_torchrec.compat.lightning_loops.start_next_epoch`): under ``max_steps``
+    without validation, Lightning trained one more batch of the ended epoch first.
 
     Args:
         checkpoint: Lightning's checkpoint dict (as loaded), rewritten in place.
@@ -68,7 +72,10 @@ def reopen(checkpoint: dict[str, Any], position: dict[str, int] | None) -> dict[
     Returns:
         The position to resume from.
     """
-    if position is None or position["batches"] == 0:
+    started = start_next_epoch(checkpoint)
+    if started is not None:
+        log.info("resuming at the start of epoch %d (saved at the end of the one before)", started)
+    if started is not None or position is None or position["batches"] == 0:
         return position
     epoch = reopen_cut_epoch(checkpoint)
     if epoch is None:
