@@ -185,7 +185,7 @@ def parse_tsv(
         yield labels, dense, sparse
 
 
-def _bad_line(block: bytes, first_line: int, names: Sequence[str], error: Exception) -> str:
+def _bad_line(block: bytes, first_line: int, names: Sequence[str], error: object) -> str:
     """Which line of a block pyarrow refused, and why (the block's first line is ``first_line``)."""
     lines = block.split(b"\n")
     for i, line in enumerate(lines[:-1] if block.endswith(b"\n") else lines):
