@@ -118,8 +118,11 @@ class ResumableIterableDataset(IterableDataset):
             ``{name: value}``, e.g. ``{"world_size": 2, "readers_per_rank": 1,
             "batch_size": 512}``; empty when the dataset lacks one of them.
         """
-        names = {"world_size": "world_size", "readers_per_rank": "num_slots"}
-        names["batch_size"] = "batch_size"
+        names = {
+            "world_size": "world_size",
+            "readers_per_rank": "num_slots",
+            "batch_size": "batch_size",
+        }
         if not all(hasattr(self, attribute) for attribute in names.values()):
             return {}
         return {key: int(getattr(self, attribute)) for key, attribute in names.items()}
