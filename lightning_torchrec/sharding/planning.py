@@ -37,6 +37,11 @@ from lightning_torchrec.compat.upstream import planner_topology
 from lightning_torchrec.distributed import broadcast_from_rank0
 from lightning_torchrec.sharding.key_order import keep_key_order
 from lightning_torchrec.sharding.layout import copy_into_shards
+from lightning_torchrec.sharding.low_precision import (
+    dense_low_precision_warning,
+    low_precision_constraints,
+    low_precision_tables,
+)
 from lightning_torchrec.sharding.nodes import local_world_size_env, resolve_local_world_size
 from lightning_torchrec.sharding.plan_summary import PlanSummary, summarize_plan
 from lightning_torchrec.sharding.reuse import attach, check_reusable, recorded
@@ -308,14 +313,18 @@ def shard_model(
         if planner is None:
             topology = make_topology(world_size, local, compute_device)
             narrowed = device_constraints(model, constraints, compute_device)
+            narrowed = low_precision_constraints(narrowed, low_precision_tables(model))
             planner = make_planner(model, topology, fused_constraints(narrowed, own))
         with estimated_optimizers(estimate_classes(model, own, sharders)):
             plan = plan_collectively(planner, model, sharders, planner_topology(planner))
     check_plan(plan, world_size, compute_device, model)
     check_plan_kernels(plan, own)
-    note = precedence_note(own, tables, fused_params)
-    if note and dist.get_rank() == 0:
-        warnings.warn(note, UserWarning, stacklevel=2)
+    for note in (
+        precedence_note(own, tables, fused_params),
+        dense_low_precision_warning(plan, low_precision_tables(model)),
+    ):
+        if note and dist.get_rank() == 0:
+            warnings.warn(note, UserWarning, stacklevel=2)
     summary = summarize_plan(model, plan, world_size, local)
     modules = embedding_modules(model)  # before DMP replaces them with sharded ones
     specs = feature_specs(model)
