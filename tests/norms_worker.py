@@ -22,6 +22,7 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ShardingEnv
 
+from lightning_torchrec.lightning.norm_callbacks import WeightNormCallback
 from lightning_torchrec.sharding.layout import log_sharded_tensor_content
 from lightning_torchrec.sharding.planning import maybe_shard_model
 from lightning_torchrec.sharding.tables import embedding_tables
@@ -65,6 +66,20 @@ class Model(nn.Module):
 def numel(tensor: torch.Tensor) -> torch.Tensor:
     """A custom (not built-in) reduction: applied to local shards, so per rank."""
     return torch.tensor(tensor.numel())
+
+
+def none_on_rank_one(tensor: torch.Tensor) -> torch.Tensor | None:
+    """One number on rank 0, None on rank 1 (a forgotten ``return``): only rank 1 sees it."""
+    return None if dist.get_rank() == 1 else tensor.sum()
+
+
+def _raised_by_weight_norms(dmp: nn.Module) -> tuple[str, str]:
+    """What ``WeightNormCallback(none_on_rank_one)`` raises on this rank at a logging step."""
+    try:
+        WeightNormCallback(none_on_rank_one)._compute(dmp)  # type: ignore[arg-type]
+    except Exception as error:  # noqa: BLE001 - the test checks which
+        return type(error).__name__, str(error)
+    return "nothing", ""
 
 
 def _fill(tables: dict[str, torch.Tensor]) -> None:
@@ -158,6 +173,7 @@ def _run(rank: int, out_dir: str) -> None:
         "ebc_state_dict": log_ebc_norms(state, keys, sample_size=10**6),
         "ebc_tables": log_ebc_norms(tables, keys, sample_size=10**6),
         "sampled": [log_ebc_norms(tables, keys, SAMPLE, seed=s) for s in (1, 1, 2)],
+        "bad_return": _raised_by_weight_norms(dmp),
     }
     # The same plan with TorchRec's DTensor state (output_dtensor=True): LocalShardsWrapper pieces,
     # table-wise tables whose placements read Replicate() though they live on one rank.

@@ -297,3 +297,36 @@ def test_a_sample_size_written_as_a_float_samples_that_many_rows() -> None:
     }
     with pytest.raises(TypeError, match="whole number of rows"):
         EmbeddingNormCallback(sample_size=2.5)
+
+
+def test_a_callable_returning_none_is_refused_naming_it_and_the_parameters() -> None:
+    """It failed in torch.as_tensor with "Could not infer dtype of NoneType", naming nothing."""
+    bias = r"'model/forgot_return/model_and_loss\.model\.over_arch\.model\.1\.bias'"
+    with pytest.raises(ValueError, match=rf"to one number.*test_callbacks\.forgot_return .*{bias}"):
+        fit([WeightNormCallback(forgot_return, every_n_steps=1)], [RecordingLogger()], max_steps=1)
+    with pytest.raises(TypeError, match=r"to one number.*not numbers: \{'model/<lambda>/.*'str'"):
+        fit(
+            [WeightNormCallback(lambda t: "0.5", every_n_steps=1)], [RecordingLogger()], max_steps=1
+        )
+
+
+def forgot_return(tensor: torch.Tensor) -> None:
+    """A reduction without its ``return``."""
+    tensor.norm()
+
+
+def test_tables_that_select_nothing_or_a_table_twice_are_refused() -> None:
+    """tables=[] logged nothing, "t_cat_0" became ['t', '_', ...], and duplicates were merged."""
+    with pytest.raises(
+        ValueError, match=r"tables=\[\]\) selects no table; tables=None means every"
+    ):
+        EmbeddingNormCallback(tables=[])
+    with pytest.raises(TypeError, match=r"one string, not a list.*write tables=\['t_cat_0'\]"):
+        EmbeddingNormCallback(tables="t_cat_0")
+    with pytest.raises(ValueError, match=r"names these tables twice: \['t_cat_1'\]"):
+        EmbeddingNormCallback(tables=["t_cat_1", "t_cat_0", "t_cat_1"])
+    key = "model_and_loss.model.sparse_arch.embedding_bag_collection.embedding_bags.t_cat_0.weight"
+    alias = EmbeddingNormCallback(tables=["t_cat_0", key])
+    with pytest.raises(ValueError, match=rf"more than once: {{'t_cat_0': \['t_cat_0', '{key}'\]}}"):
+        alias._prepare(None, tiny_dlrm())  # type: ignore[arg-type]
+    assert EmbeddingNormCallback(tables=("t_cat_0",)).tables == ["t_cat_0"]

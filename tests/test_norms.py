@@ -21,9 +21,11 @@ from lightning_torchrec.sharding.layout import LocalShard, log_sharded_tensor_co
 from lightning_torchrec.sharding.tables import embedding_tables
 from lightning_torchrec.training.ebc_norms import log_ebc_norms, sample_positions, sampled_row_norms
 from lightning_torchrec.training.norms import (
+    bad_return_error,
     l1_norm,
     l2_norm,
     max_norm,
+    reduce_weights,
     weights_to_log,
 )
 
@@ -294,3 +296,62 @@ def test_ebc_norms_sample_size_is_a_whole_number_and_a_bad_table_is_named() -> N
             log_ebc_norms(tables, ["t"], sample_size=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"'bias' of shape \(3,\).*2-D"):
         log_ebc_norms({"t": torch.ones(3, 4), "bias": torch.ones(3)}, ["t", "bias"])
+
+
+@pytest.mark.parametrize(
+    ("returned", "error", "says"),
+    [
+        (
+            None,
+            ValueError,
+            r"returned None \(a missing return\?\) for: \['model/bad/dense\.0\.bias'",
+        ),
+        ("0.5", TypeError, r"not numbers: \{'model/bad/dense\.0\.bias': 'str'"),
+        ([1.0, 2.0], ValueError, r"shapes: \{'model/bad/dense\.0\.bias': \(2,\)"),
+        (torch.ones(0), ValueError, r"shapes: \{'model/bad/dense\.0\.bias': \(0,\)"),
+        (1 + 2j, TypeError, r"not numbers: \{'model/bad/dense\.0\.bias': 'complex of"),
+    ],
+    ids=["None", "str", "several", "empty", "complex"],
+)
+def test_a_callable_returning_no_single_number_is_named_with_its_parameters(
+    returned, error, says
+) -> None:
+    """None or a str reached torch.as_tensor (an unnamed RuntimeError / TypeError).
+
+    ``weights_to_log`` keeps a tensor of several numbers (the original helper logged arrays);
+    what must log one number per key (the callback) refuses it.
+    """
+
+    def bad(t: torch.Tensor) -> object:
+        return returned
+
+    how = {"dense.0.bias": bad, "dense.0.weight": l2_norm}
+    values, found = reduce_weights(Net(), how)
+    with pytest.raises(error, match=rf"^X must reduce each parameter to one number.*{says}"):
+        raise bad_return_error(found, "X")
+    if isinstance(returned, list | torch.Tensor):
+        kept = weights_to_log(Net(), how)["model/bad/dense.0.bias"]
+        assert torch.equal(kept, torch.as_tensor(returned))
+        return
+    with pytest.raises(error, match=rf"^how_to_log must reduce each parameter to a num.*{says}"):
+        weights_to_log(Net(), how)
+    with pytest.raises(error, match=r"test_norms\.test_a_callable_returning_no_single_number_is_"):
+        weights_to_log(Net(), bad)  # the callable is named by its qualified name
+
+
+def test_only_the_bad_returns_are_named_and_good_callables_are_unchanged() -> None:
+    model = Net()
+
+    def none_for_biases(t: torch.Tensor) -> torch.Tensor | None:
+        return None if t.dim() == 1 else t.sum()
+
+    with pytest.raises(ValueError) as caught:
+        weights_to_log(model, none_for_biases)
+    message = str(caught.value)
+    biases = [f"model/none_for_biases/{n}" for n in _params(model) if n.endswith("bias")]
+    assert f"returned None (a missing return?) for: {sorted(biases)}" in message
+    assert "weight" not in message.split("for: ")[1]
+    logged = weights_to_log(model, {n: none_for_biases for n in _params(model) if "weight" in n})
+    for key, value in logged.items():
+        expected = torch.as_tensor(_params(model)[key.split("/")[-1]].sum())
+        assert torch.equal(value, expected) and value.dtype == expected.dtype

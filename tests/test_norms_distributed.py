@@ -315,3 +315,12 @@ def test_dtensor_state_gives_the_same_whole_table_norms(ranks: list[dict]) -> No
             torch.testing.assert_close(
                 res["dtensor_l2"][f"model/l2_norm/{key}"], full_table(t).norm()
             )
+
+
+def test_a_bad_return_on_one_rank_is_raised_on_every_rank(ranks: list[dict]) -> None:
+    """Rank 1 raised alone (an unnamed RuntimeError) and left rank 0 in all_gather_object."""
+    for rank, res in enumerate(ranks):
+        kind, message = res["bad_return"]
+        assert kind == "ValueError", (rank, kind, message)
+        assert "norms_worker.none_on_rank_one returned None (a missing return?)" in message
+        assert "'model/none_on_rank_one/dense.weight'" in message  # rank 1's keys, on both ranks

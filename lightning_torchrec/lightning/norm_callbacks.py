@@ -19,7 +19,12 @@ from lightning_torchrec.compat.lightning import is_last_batch
 from lightning_torchrec.distributed import is_distributed
 from lightning_torchrec.sharding.tables import embedding_tables, table_of_key
 from lightning_torchrec.training.ebc_norms import as_sample_size, log_ebc_norms
-from lightning_torchrec.training.norms import is_whole_table_norm, l2_norm, weights_to_log
+from lightning_torchrec.training.norms import (
+    bad_return_error,
+    is_whole_table_norm,
+    l2_norm,
+    reduce_weights,
+)
 
 HowToLog = Callable[[torch.Tensor], Any] | Mapping[str, Callable[[torch.Tensor], Any]] | None
 
@@ -67,6 +72,26 @@ def table_labels(keys: Sequence[str]) -> dict[str, str]:
         k: n if names.count(n) == 1 else k.removesuffix(".weight")
         for k, n in zip(keys, names, strict=True)
     }
+
+
+def _table_list(tables: Sequence[str] | None) -> list[str] | None:
+    """``EmbeddingNormCallback``'s ``tables`` as a list, refused when it selects nothing clear."""
+    if tables is None:
+        return None
+    if isinstance(tables, str | bytes):
+        raise TypeError(
+            f"EmbeddingNormCallback(tables={tables!r}) is one string, not a list of tables: "
+            f"write tables=[{tables!r}]"
+        )
+    names = list(tables)
+    if not names:
+        raise ValueError(
+            "EmbeddingNormCallback(tables=[]) selects no table; tables=None means every table"
+        )
+    twice = sorted({t for t in names if names.count(t) > 1})
+    if twice:
+        raise ValueError(f"EmbeddingNormCallback(tables=...) names these tables twice: {twice}")
+    return names
 
 
 class _NormCallback(Callback):
@@ -168,9 +193,12 @@ class WeightNormCallback(_NormCallback):
             ``log_every_n_steps``.
 
     Raises:
-        ValueError: for a non-positive ``every_n_steps``; at a logging step, when a callable
-            of ``how_to_log`` returns more than one number (naming the parameters).
-        TypeError: if ``how_to_log`` is neither callable, mapping nor None.
+        ValueError: for a non-positive ``every_n_steps``; at a logging step, on every rank, when
+            a callable of ``how_to_log`` returns None, several numbers or none (naming the
+            callable and the parameters).
+        TypeError: if ``how_to_log`` is neither callable, mapping nor None; at a logging step,
+            on every rank, when its callables return only values that are not numbers (e.g. a
+            ``str``), naming the callable and the parameters.
     """
 
     def __init__(self, how_to_log: HowToLog = None, every_n_steps: int | None = None) -> None:
@@ -203,24 +231,21 @@ class WeightNormCallback(_NormCallback):
 
     @override
     def _compute(self, pl_module: L.LightningModule) -> dict[str, float]:
-        raw = weights_to_log(pl_module, self.how_to_log)
-        values = {k: float(v) for k, v in raw.items() if v.numel() == 1}
-        # A callable that returns several numbers: named, on every rank (no rank left waiting).
-        shapes = {k: tuple(v.shape) for k, v in raw.items() if v.numel() != 1}
+        raw, bad = reduce_weights(pl_module, self.how_to_log)
+        values = {k: float(v) for k, v in raw.items()}
+        # A callable that returns None, several numbers or no number: named, on every rank (no
+        # rank left waiting in the gather below while another raised).
         how = self.how_to_log
         fns = list(how.values()) if isinstance(how, Mapping) else [how or l2_norm]
         if is_distributed() and not all(is_whole_table_norm(fn) for fn in fns):
             # Other callables give per-rank values (``/rank{r}`` keys): rank 0 logs them all.
             gathered: list[Any] = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(gathered, (values, shapes))
-            for rank_values, rank_shapes in gathered:
+            torch.distributed.all_gather_object(gathered, (values, bad))
+            for rank_values, rank_bad in gathered:
                 values.update(rank_values)
-                shapes.update(rank_shapes)
-        if shapes:
-            raise ValueError(
-                "WeightNormCallback(how_to_log=...) must reduce each parameter to one number; "
-                f"it returned tensors of these shapes: {dict(sorted(shapes.items()))}"
-            )
+                bad.update(rank_bad)
+        if bad:
+            raise bad_return_error(bad, "WeightNormCallback(how_to_log=...)")
         return values
 
 
@@ -235,14 +260,19 @@ class EmbeddingNormCallback(_NormCallback):
     whole rows (the parts on several ranks are combined).
 
     Args:
-        tables: table names (e.g. ``"t_cat_0"``) or state-dict keys; None for every table.
+        tables: a list of table names (e.g. ``["t_cat_0"]``) or state-dict keys; None for every
+            table.
         sample_size: most rows read per table and rank (a whole number; ``4e6`` is one).
         every_n_steps: cadence in optimizer steps; None follows ``log_every_n_steps``.
         seed: seed of the row sample.
 
     Raises:
-        ValueError: for a non-positive ``sample_size`` or ``every_n_steps``.
-        TypeError: for a ``sample_size`` with a fraction, or not a number.
+        ValueError: for a non-positive ``sample_size`` or ``every_n_steps``; for an empty
+            ``tables`` (it selects no table; None means every table); for a table named twice
+            in ``tables`` (naming it), also as a name and its key (at the start of the run).
+        TypeError: for a ``sample_size`` with a fraction, or not a number; for ``tables`` given
+            as one string (write ``tables=["t_cat_0"]``).
+        KeyError: at the start of the run, for a table the model does not have.
     """
 
     def __init__(
@@ -253,7 +283,7 @@ class EmbeddingNormCallback(_NormCallback):
         seed: int = 0,
     ) -> None:
         super().__init__(every_n_steps)
-        self.tables = list(tables) if tables is not None else None
+        self.tables = _table_list(tables)
         self.sample_size = as_sample_size(sample_size)
         self.seed = seed
         self._keys: dict[str, str] = {}
@@ -295,6 +325,12 @@ class EmbeddingNormCallback(_NormCallback):
                 f"closest: {hints}; the model has {sorted(by_name)}"
             )
         chosen = [t if t in available else by_name.get(t) or shared[t][0] for t in self.tables]
+        same = {k: [t for t, c in zip(self.tables, chosen, strict=True) if c == k] for k in chosen}
+        same = {labels[k]: names for k, names in same.items() if len(names) > 1}
+        if same:
+            raise ValueError(
+                f"EmbeddingNormCallback(tables=...) names these tables more than once: {same}"
+            )
         self._keys = {labels[k]: k for k in chosen}
 
     @override

@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -130,29 +130,97 @@ def _fn_name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
 
-def weights_to_log(
+def _fn_label(fn: Callable[..., Any]) -> str:
+    """The callable's qualified name (``module.<locals>.<lambda>``), or its repr."""
+    qualname = getattr(fn, "__qualname__", None)
+    module = getattr(fn, "__module__", None)
+    return f"{module}.{qualname}" if qualname and module else repr(fn)
+
+
+class BadReturn(NamedTuple):
+    """What a ``how_to_log`` callable returned instead of one number, for one logged key."""
+
+    label: str  # the callable's qualified name
+    kind: str  # "none", "type" (not a number) or "shape" (not one number)
+    detail: str  # the type's name or the tensor's shape
+
+
+def _as_number(
+    fn: Callable[..., Any], tensor: torch.Tensor, one_number: bool
+) -> torch.Tensor | BadReturn:
+    """``fn(tensor)`` as a tensor (of one number if asked), or what was wrong with it."""
+    value = fn(tensor)
+    if value is None:
+        return BadReturn(_fn_label(fn), "none", "None")
+    try:
+        result = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError):  # str, dict, ragged list, object, ...
+        return BadReturn(_fn_label(fn), "type", type(value).__name__)
+    if result.is_complex():
+        return BadReturn(_fn_label(fn), "type", f"{type(value).__name__} of {result.dtype}")
+    if one_number and result.numel() != 1:
+        return BadReturn(_fn_label(fn), "shape", repr(tuple(result.shape)))
+    return result.detach()
+
+
+def bad_return_error(
+    bad: Mapping[str, BadReturn], where: str = "how_to_log", one_number: bool = True
+) -> ValueError | TypeError:
+    """The error for callables that did not reduce parameters to one number each.
+
+    Args:
+        bad: ``{logged key: what its callable returned}``, e.g. from :func:`reduce_weights`
+            (merged over ranks where each rank had its own).
+        where: how the message names the argument, e.g. ``"WeightNormCallback(how_to_log=...)"``.
+        one_number: whether the callables had to return one number (else a number or a tensor).
+
+    Returns:
+        A ``TypeError`` when every bad value is of a type that is not a number (e.g. a ``str``),
+        else a ``ValueError`` (``None``, several numbers or none); the message names each
+        callable and the keys (parameters) it failed on.
+    """
+    parts = []
+    for label in sorted({b.label for b in bad.values()}):
+        mine = {k: b for k, b in sorted(bad.items()) if b.label == label}
+        shapes = {k: b.detail for k, b in mine.items() if b.kind == "shape"}
+        if shapes:
+            listed = ", ".join(f"{k!r}: {v}" for k, v in shapes.items())
+            parts.append(f"{label} returned tensors of these shapes: {{{listed}}}")
+        nones = [k for k, b in mine.items() if b.kind == "none"]
+        if nones:
+            parts.append(f"{label} returned None (a missing return?) for: {nones}")
+        types = {k: b.detail for k, b in mine.items() if b.kind == "type"}
+        if types:
+            parts.append(f"{label} returned values that are not numbers: {types}")
+    wanted = (
+        "one number (a number or a one-element tensor)" if one_number else "a number or a tensor"
+    )
+    message = f"{where} must reduce each parameter to {wanted}; " + "; ".join(parts)
+    if all(b.kind == "type" for b in bad.values()):
+        return TypeError(message)
+    return ValueError(message)
+
+
+def reduce_weights(
     model: nn.Module,
     how_to_log: Callable[[torch.Tensor], Any]
     | Mapping[str, Callable[[torch.Tensor], Any]]
     | None = None,
-) -> dict[str, torch.Tensor]:
-    """Reduce the model's parameters to scalars worth logging (collective: call on every rank).
+    one_number: bool = True,
+) -> tuple[dict[str, torch.Tensor], dict[str, BadReturn]]:
+    """:func:`weights_to_log`, without raising when a callable returns anything but one number.
 
-    Built-in norms (:func:`l2_norm`, :func:`l1_norm`, :func:`max_norm`; ``torch.norm``,
-    ``torch.linalg.norm``, ``torch.linalg.vector_norm`` as L2) give the norm of the WHOLE table:
-    partial sums (maxima) of local shards, all-reduced once for all parameters together; replicated
-    tensors (dense parameters, data-parallel tables) are reduced locally, counted once. Any other
-    callable sees the local shard of a sharded table: the value is PER RANK, keyed ``/rank{r}``
-    (``/rank{r}/shard{i}`` on a rank holding several shards; no key on a rank holding none).
+    For callers that must agree across ranks before raising (each rank sees its own shards).
 
     Args:
-        model: A plain model or a ``DistributedModelParallel`` (possibly inside another module).
-        how_to_log: One callable for every parameter; or ``{parameter name: callable}`` for just
-            those parameters (names as in the unwrapped model); None means :func:`l2_norm`.
+        model: as for :func:`weights_to_log`.
+        how_to_log: as for :func:`weights_to_log`.
+        one_number: whether a tensor of several numbers (or none) counts as a bad return.
 
     Returns:
-        ``{"model/{fn.__name__}/{parameter name}[/rank{r}]": value}``; built-in norms are 0-dim
-        float32 CPU tensors.
+        ``(values, bad)``: the values of :func:`weights_to_log` for the keys whose callable
+        returned one number, and ``{key: BadReturn}`` for the others (see
+        :func:`bad_return_error`).
 
     Raises:
         KeyError: When ``how_to_log`` names an unknown parameter (message lists close names).
@@ -178,6 +246,7 @@ def weights_to_log(
     ]
     values = dict(zip([key for key, _, _ in builtin], _builtin_norms(builtin), strict=True))
     out: dict[str, torch.Tensor] = {}
+    bad: dict[str, BadReturn] = {}
     for name, fn in selection:
         key = f"model/{_fn_name(fn)}/{name}"
         if key in values:
@@ -186,10 +255,54 @@ def weights_to_log(
         tensor = tensors[name][0]
         info = shard_info(tensor)
         if info.replicated:
-            out[key] = torch.as_tensor(fn(tensor.detach())).detach()
+            pieces = {key: tensor.detach()}
         elif len(info.shards) == 1:
-            out[f"{key}/rank{rank}"] = torch.as_tensor(fn(info.shards[0].tensor)).detach()
+            pieces = {f"{key}/rank{rank}": info.shards[0].tensor}
         else:
-            for i, shard in enumerate(info.shards):
-                out[f"{key}/rank{rank}/shard{i}"] = torch.as_tensor(fn(shard.tensor)).detach()
+            pieces = {f"{key}/rank{rank}/shard{i}": s.tensor for i, s in enumerate(info.shards)}
+        for piece_key, piece in pieces.items():
+            result = _as_number(fn, piece, one_number)
+            if isinstance(result, BadReturn):
+                bad[piece_key] = result
+            else:
+                out[piece_key] = result
+    return out, bad
+
+
+def weights_to_log(
+    model: nn.Module,
+    how_to_log: Callable[[torch.Tensor], Any]
+    | Mapping[str, Callable[[torch.Tensor], Any]]
+    | None = None,
+) -> dict[str, torch.Tensor]:
+    """Reduce the model's parameters to scalars worth logging (collective: call on every rank).
+
+    Built-in norms (:func:`l2_norm`, :func:`l1_norm`, :func:`max_norm`; ``torch.norm``,
+    ``torch.linalg.norm``, ``torch.linalg.vector_norm`` as L2) give the norm of the WHOLE table:
+    partial sums (maxima) of local shards, all-reduced once for all parameters together; replicated
+    tensors (dense parameters, data-parallel tables) are reduced locally, counted once. Any other
+    callable sees the local shard of a sharded table: the value is PER RANK, keyed ``/rank{r}``
+    (``/rank{r}/shard{i}`` on a rank holding several shards; no key on a rank holding none).
+    A callable returns a number or a tensor (several numbers are kept, as a tensor).
+
+    Args:
+        model: A plain model or a ``DistributedModelParallel`` (possibly inside another module).
+        how_to_log: One callable for every parameter; or ``{parameter name: callable}`` for just
+            those parameters (names as in the unwrapped model); None means :func:`l2_norm`.
+
+    Returns:
+        ``{"model/{fn.__name__}/{parameter name}[/rank{r}]": value}``; built-in norms are 0-dim
+        float32 CPU tensors.
+
+    Raises:
+        KeyError: When ``how_to_log`` names an unknown parameter (message lists close names).
+        TypeError: When ``how_to_log`` is neither callable, a mapping nor None; or when a
+            callable returns something that is not a number (e.g. a ``str``), naming the callable
+            and the parameters. Raised on this rank only, after the collectives.
+        ValueError: When a callable returns None (naming the callable and the parameters; on
+            this rank only, after the collectives).
+    """
+    out, bad = reduce_weights(model, how_to_log, one_number=False)
+    if bad:
+        raise bad_return_error(bad, one_number=False)
     return out
