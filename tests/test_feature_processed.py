@@ -24,7 +24,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_torchrec import Batch, ModelAndLoss, TorchRecModule, TorchRecStrategy
 from lightning_torchrec.errors import BatchValidationError
-from lightning_torchrec.sharding.tables import feature_specs
+from lightning_torchrec.sharding.features import feature_specs
 from lightning_torchrec.training.batch_checks import check_batch, validate_batch
 from lightning_torchrec.training.device_checks import FLAGS, DeferredVerdict, device_flags
 from lightning_torchrec.training.worker_checks import CheckingCollate, worker_verdict

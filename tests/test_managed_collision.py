@@ -41,17 +41,13 @@ from lightning_torchrec.errors import (
     ManagedCollisionLayoutError,
 )
 from lightning_torchrec.lightning.mc_callbacks import ManagedCollisionStatsCallback
+from lightning_torchrec.sharding.features import feature_specs
 from lightning_torchrec.sharding.sharders import (
     DeviceAwareMCEBCSharder,
     DeviceAwareMCECSharder,
     default_sharders,
 )
-from lightning_torchrec.sharding.tables import (
-    embedding_tables,
-    feature_specs,
-    module_table_configs,
-    table_of_key,
-)
+from lightning_torchrec.sharding.tables import embedding_tables, module_table_configs, table_of_key
 from lightning_torchrec.training.batch_checks import check_batch
 from lightning_torchrec.training.device_checks import DeferredVerdict
 from lightning_torchrec.training.mc_stats import ManagedCollisionCounts

@@ -36,11 +36,11 @@ from lightning_torchrec.demo_seq import split_sharding
 from lightning_torchrec.errors import BatchValidationError
 from lightning_torchrec.lightning.sequence import EvalLoss, SASRecModule
 from lightning_torchrec.models.sequence import NextItemModelAndLoss, SASRec, padded, target_ranks
+from lightning_torchrec.sharding.features import feature_specs
 from lightning_torchrec.sharding.setup_checks import (
     check_constraints_for_device,
     device_constraints,
 )
-from lightning_torchrec.sharding.tables import feature_specs
 from lightning_torchrec.training.batch_checks import check_batch
 from lightning_torchrec.training.device_checks import FLAGS, device_flags
 from lightning_torchrec.training.ranking import RankingMetrics, popularity_ranks, ranking_values

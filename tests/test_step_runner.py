@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_torchrec import DLRMClickModule, TorchRecStrategy
 from lightning_torchrec.lightning.step_hooks import votes_ahead
-from lightning_torchrec.sharding.tables import FeatureSpec
+from lightning_torchrec.sharding.features import FeatureSpec
 from lightning_torchrec.training.pipeline_feed import Peek, Split
 from lightning_torchrec.training.pipelines import (
     SEMI_SYNC_START_BATCH,

@@ -13,13 +13,13 @@ from torchrec import (
 )
 from torchrec.modules.embedding_configs import DataType
 
+from lightning_torchrec.sharding.features import feature_specs
 from lightning_torchrec.sharding.tables import (
     configs_of,
     dense_bytes,
     dense_width,
     embedding_modules,
     embedding_tables,
-    feature_specs,
     human_bytes,
     materialized_tables,
     model_tensors,

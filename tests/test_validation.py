@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import pickle
+from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
+from torch import nn
 from torch.utils.data import DataLoader, Dataset
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from lightning_torchrec import Batch, DLRMClickModule, TorchRecStrategy
+from lightning_torchrec import Batch, DLRMClickModule, TorchRecStrategy, dense_parameters
+from lightning_torchrec.data.batch import TensorFields
 from lightning_torchrec.errors import BatchValidationError
-from lightning_torchrec.sharding.tables import FeatureSpec, dense_width, feature_specs
+from lightning_torchrec.sharding.features import FeatureSpec, feature_specs
+from lightning_torchrec.sharding.tables import dense_width
 from lightning_torchrec.training.batch_checks import validate_batch
 from tests.scripts.factory import cpu_trainer, table_wise, tiny_dlrm
 
@@ -189,3 +195,91 @@ def test_fbgemm_alone_trains_through_out_of_range_ids() -> None:
     assert _fit(2, bad_at=3).global_step == 6
     with pytest.raises(BatchValidationError):
         _fit(2, bad_at=1)
+
+
+class TwoTowers(nn.Module):
+    """Users and items each read a feature named ``"id"``, from tables of different sizes."""
+
+    def __init__(self, user_features: tuple[str, ...], item_features: tuple[str, ...]) -> None:
+        super().__init__()
+
+        def tower(prefix: str, rows: dict[str, int]) -> EmbeddingBagCollection:
+            tables = [
+                EmbeddingBagConfig(
+                    name=f"t_{prefix}_{f}", embedding_dim=4, num_embeddings=n, feature_names=[f]
+                )
+                for f, n in rows.items()
+            ]
+            return EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+
+        sizes = {"id": 0, "age": 10, "cat": 5}
+        self.users = tower("user", {f: 1000 if f == "id" else sizes[f] for f in user_features})
+        self.items = tower("item", {f: 50 if f == "id" else sizes[f] for f in item_features})
+
+    def forward(self, batch: TwoTowerBatch) -> torch.Tensor:
+        users = torch.cat(list(self.users(batch.user).to_dict().values()), dim=1)
+        items = torch.cat(list(self.items(batch.item).to_dict().values()), dim=1)
+        return (users[:, :4] * items[:, :4]).sum(1)
+
+
+@dataclass
+class TwoTowerBatch(TensorFields):
+    user: KeyedJaggedTensor
+    item: KeyedJaggedTensor
+    labels: torch.Tensor
+
+
+def two_tower_batch(user_ids: list[int], item_ids: list[int], more: bool = True) -> TwoTowerBatch:
+    """Two samples, one id each; ``more`` adds ``age`` (users) and ``cat`` (items)."""
+    extra = [1, 2] if more else []
+
+    def kjt(ids: list[int], key: str) -> KeyedJaggedTensor:
+        keys = ["id", key] if more else ["id"]
+        values = torch.tensor(ids + extra)
+        return KeyedJaggedTensor(keys=keys, values=values, lengths=torch.ones(len(values)).int())
+
+    return TwoTowerBatch(kjt(user_ids, "age"), kjt(item_ids, "cat"), torch.ones(2))
+
+
+def test_a_feature_name_two_collections_read_is_checked_against_its_own_collection() -> None:
+    """Both towers read "id": every id was checked against the smaller item table (50 rows)."""
+    specs = feature_specs(TwoTowers(("id", "age"), ("id", "cat")))
+    assert specs["id"].num_embeddings == 50 and specs.shared == {"id"}
+    validate_batch(two_tower_batch([700, 3], [49, 0]), specs)  # 700 is a user id: was refused
+    with pytest.raises(BatchValidationError, match=r"'id' \(table 't_user_id'\) has id 1000"):
+        validate_batch(two_tower_batch([1000, 3], [1, 2]), specs)
+    with pytest.raises(BatchValidationError, match=r"'id' \(table 't_item_id'\) has id 60"):
+        validate_batch(two_tower_batch([1, 2], [60, 2]), specs)
+    copied = pickle.loads(pickle.dumps(specs))  # as DataLoader workers receive it
+    assert copied == specs and copied.collections == specs.collections
+    validate_batch(two_tower_batch([700, 3], [49, 0]), copied)
+
+
+def test_a_kjt_whose_keys_match_several_collections_names_every_table_of_its_feature() -> None:
+    specs = feature_specs(TwoTowers(("id",), ("id",)))
+    with pytest.raises(BatchValidationError) as err:
+        validate_batch(two_tower_batch([700, 3], [1, 2], more=False), specs)
+    message = str(err.value)
+    assert "'id' (table 't_item_id') has id 700 (>= num_embeddings=50)" in message
+    assert (
+        "'t_user_id' (1000 rows, in users)" in message and "match collections ['users'" in message
+    )
+    assert "names of their own" in message
+
+
+def test_a_two_tower_fit_trains_user_ids_beyond_the_item_table() -> None:
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = TwoTowers(("id", "age"), ("id", "cat"))
+
+        def training_step(self, batch: TwoTowerBatch, batch_idx: int) -> torch.Tensor:
+            return nn.functional.binary_cross_entropy_with_logits(self.model(batch), batch.labels)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(dense_parameters(self), lr=0.1)
+
+    batches = [two_tower_batch([700 + i, 999], [49, i]) for i in range(3)]
+    trainer = cpu_trainer(TorchRecStrategy(log_plan=False), max_steps=3, limit_val_batches=0)
+    trainer.fit(Module(), train_dataloaders=DataLoader(batches, batch_size=None))
+    assert trainer.global_step == 3

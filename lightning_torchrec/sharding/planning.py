@@ -35,6 +35,7 @@ from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 from lightning_torchrec.compat.fused import estimated_optimizers, fused_param_groups, kernel_tables
 from lightning_torchrec.compat.upstream import planner_topology
 from lightning_torchrec.distributed import broadcast_from_rank0
+from lightning_torchrec.sharding.features import FeatureSpec, feature_specs
 from lightning_torchrec.sharding.key_order import keep_key_order
 from lightning_torchrec.sharding.layout import copy_into_shards
 from lightning_torchrec.sharding.low_precision import (
@@ -65,12 +66,10 @@ from lightning_torchrec.sharding.table_optimizers import (
     table_optimizers,
 )
 from lightning_torchrec.sharding.tables import (
-    FeatureSpec,
     dense_bytes,
     dense_width,
     embedding_modules,
     embedding_tables,
-    feature_specs,
     materialized_tables,
     table_configs,
     unwrap,

@@ -9,10 +9,8 @@ meta device) and on models inside ``DistributedModelParallel``.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -24,9 +22,7 @@ from torchrec.modules.embedding_modules import (
     EmbeddingBagCollectionInterface,
     EmbeddingCollectionInterface,
 )
-from torchrec.modules.mc_modules import ManagedCollisionCollection, ManagedCollisionModule
 
-from lightning_torchrec.compat.feature_processors import processed_collections
 from lightning_torchrec.compat.upstream import ShardedTensor, sharded_table_views, unwrap_compiled
 from lightning_torchrec.sharding.layout import global_dtype, global_shape
 
@@ -184,105 +180,6 @@ def table_of_key(key: str) -> str:
         if marker in parts and parts.index(marker) + 1 < len(parts):
             return parts[parts.index(marker) + 1]
     return key
-
-
-@dataclass(frozen=True)
-class FeatureSpec:
-    """What one sparse feature may hold.
-
-    Attributes:
-        feature: the KJT key.
-        table: the (smallest) table reading it.
-        num_embeddings: rows of that table: ids must lie in ``[0, num_embeddings)``; for a
-            managed-collision table, its collision module's raw-id bound (``input_size()``),
-            since the module remaps raw ids to rows.
-        weighted: a weighted EBC reads the batch's weights of it (``is_weighted=True``): the
-            batch must carry weights. Not set by the EBC of a
-            ``FeatureProcessedEmbeddingBagCollection``, whose feature processors make the
-            weights it reads (the batch's own, if any, are not read).
-        max_ids: the most ids one sample may hold (None: no limit): the smallest that a module
-            of the model declares in a ``max_ids_per_sample`` mapping (e.g. a sequence model's
-            longest history) or that a feature processor's position weights allow
-            (``PositionWeightedModule(max_feature_length=N)``).
-        min_ids: the fewest ids one sample must hold (0: none), as a module declares it in a
-            ``min_ids_per_sample`` mapping (e.g. a sequence model's one target per sample).
-        max_ids_from: what sets ``max_ids``, for the message that refuses a longer sample.
-        managed: a managed-collision table reads it: TorchRec remaps its raw ids into
-            ``torch.int64`` rows, so its ids must be ``torch.int64``.
-    """
-
-    feature: str
-    table: str
-    num_embeddings: int
-    weighted: bool = False
-    max_ids: int | None = None
-    min_ids: int = 0
-    max_ids_from: str = "max_ids_per_sample"
-    managed: bool = False
-
-
-def managed_input_sizes(model: nn.Module) -> dict[str, int]:
-    """The raw-id bound of each managed-collision table (its module's ``input_size()``).
-
-    Args:
-        model: an unsharded model.
-
-    Returns:
-        ``{table name: input size}``; empty without managed-collision collections.
-    """
-    sizes: dict[str, int] = {}
-    for _, collection in unwrap(model).named_modules():
-        if isinstance(collection, ManagedCollisionCollection):
-            for path, module in collection.named_modules():
-                if isinstance(module, ManagedCollisionModule):
-                    sizes[path.rsplit(".", 1)[-1]] = int(module.input_size())
-    return sizes
-
-
-def feature_specs(model: nn.Module) -> dict[str, FeatureSpec]:
-    """The sparse features the tables of an unsharded model read.
-
-    Args:
-        model: a model holding EBC/EC modules (before sharding; tables may be on meta).
-
-    Returns:
-        One spec per feature name; a feature read by several tables gets the smallest table,
-        the smallest ``max_ids_per_sample`` (or position-weight count of its feature
-        processors) and the largest ``min_ids_per_sample`` any module of the model declares.
-    """
-    specs: dict[str, FeatureSpec] = {}
-    inner = unwrap(model)
-    raw = managed_input_sizes(inner)
-    processed = processed_collections(inner)
-    made = {id(found.embeddings) for found in processed}  # weights made by feature processors
-    for path, configs in embedding_modules(inner).items():
-        module = inner.get_submodule(path) if path else inner
-        reads = bool(getattr(module, "is_weighted", lambda: False)()) and id(module) not in made
-        for cfg in configs:
-            rows = raw.get(cfg.name, cfg.num_embeddings)
-            for feature in cfg.feature_names:
-                old = specs.get(feature)
-                managed = cfg.name in raw or bool(old and old.managed)
-                weighted = reads or bool(old and old.weighted)
-                if old is None or rows < old.num_embeddings:
-                    specs[feature] = FeatureSpec(feature, cfg.name, rows, weighted, managed=managed)
-                elif weighted or managed:
-                    specs[feature] = dataclasses.replace(old, weighted=weighted, managed=managed)
-    limits = [(f, n, by) for found in processed for f, (n, by) in found.max_ids.items()]
-    for module in inner.modules():
-        declared = getattr(module, "max_ids_per_sample", None)
-        for feature, limit in (declared if isinstance(declared, Mapping) else {}).items():
-            limits.append((feature, int(limit), "max_ids_per_sample"))
-        declared = getattr(module, "min_ids_per_sample", None)
-        for feature, least in (declared if isinstance(declared, Mapping) else {}).items():
-            spec = specs.get(feature)
-            if spec is not None and int(least) > spec.min_ids:
-                specs[feature] = dataclasses.replace(spec, min_ids=int(least))
-    for feature, limit, by in limits:
-        spec = specs.get(feature)
-        if spec is not None and (spec.max_ids is None or limit < spec.max_ids):
-            specs[feature] = dataclasses.replace(spec, max_ids=limit, max_ids_from=by)
-    return specs
 
 
 def dense_width(module: nn.Module) -> int | None:

@@ -14,11 +14,12 @@ Why: on CPU, TorchRec 1.8 and fbgemm train straight through most bad inputs.
   dense gradients.
 
 :func:`validate_batch` checks one batch against the tables of the *unsharded* model
-(:func:`~lightning_torchrec.sharding.tables.feature_specs`, built before sharding) with a handful of
-vectorised tensor operations (no Python loop over samples or ids): one min/max pass over the ids
-of each run of features whose tables have the same row count (``O(num_ids)``), one sum over the
-dense features (read in full only when it is not finite) and a few shape checks. Measured on one
-CPU core, tables of one size: 0.1 ms for 4 features x 256 samples (4k ids), 0.26 ms for 26
+(:func:`~lightning_torchrec.sharding.features.feature_specs`, built before sharding; a feature
+several collections read is checked against the collection its KJT's keys name) with a handful
+of vectorised tensor operations (no Python loop over samples or ids): one min/max pass over the
+ids of each run of features whose tables have the same row count (``O(num_ids)``), one sum over
+the dense features (read in full only when it is not finite) and a few shape checks. Measured on
+one CPU core, tables of one size: 0.1 ms for 4 features x 256 samples (4k ids), 0.26 ms for 26
 features x 4096 samples (426k ids). :class:`~lightning_torchrec.TorchRecStrategy` runs it before
 every training/validation forward (``validate_batches=True``; an integer ``N`` checks the first
 ``N`` steps only, ``False`` never) and makes the outcome collective with
@@ -39,7 +40,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_torchrec.errors import BatchValidationError
-from lightning_torchrec.sharding.tables import FeatureSpec
+from lightning_torchrec.sharding.features import FeatureSpec, FeatureSpecs, specs_for
 
 
 def field_of(batch: Any, name: str) -> Any:
@@ -81,6 +82,7 @@ def kjts_of(batch: Any) -> list[Any]:
 
 def _check_kjt(kjt: Any, specs: Mapping[str, FeatureSpec]) -> None:
     keys = list(kjt.keys())
+    specs = specs_for(specs, keys)  # a feature several collections read: this KJT's collection
     values, lengths = kjt.values(), kjt.lengths()
     if values.dtype not in (torch.int64, torch.int32):
         raise BatchValidationError(
@@ -233,7 +235,8 @@ def out_of_range_message(
     """
     per_key = torch.tensor(kjt.length_per_key(), dtype=torch.int64)
     key_idx = int(torch.searchsorted(torch.cumsum(per_key, 0), position, right=True))
-    spec = specs[list(kjt.keys())[key_idx]]
+    keys = list(kjt.keys())
+    spec = specs_for(specs, keys)[keys[key_idx]]
     bag = int(torch.searchsorted(kjt.offsets().cpu(), position, right=True)) - 1
     stride = kjt.stride()
     sample = bag % stride if stride else bag
@@ -242,6 +245,7 @@ def out_of_range_message(
         f"feature {spec.feature!r} (table {spec.table!r}) has id {value} ({why}) in sample "
         f"{sample}; ids must lie in [0, {spec.num_embeddings}). {count} ids are out of range "
         "in this batch. Hash or clamp ids into the table, or grow the table."
+        + (specs.ambiguity(spec.feature, keys) if isinstance(specs, FeatureSpecs) else "")
     )
 
 
@@ -301,7 +305,7 @@ def validate_batch(
 
     Args:
         batch: the batch.
-        specs: from :func:`~lightning_torchrec.sharding.tables.feature_specs` on the unsharded
+        specs: from :func:`~lightning_torchrec.sharding.features.feature_specs` on the unsharded
             model.
         num_dense_features: expected width of ``dense_features``; None skips that check.
 
@@ -356,7 +360,7 @@ def check_batch(
 
     Args:
         batch: this rank's batch.
-        specs: from :func:`~lightning_torchrec.sharding.tables.feature_specs`.
+        specs: from :func:`~lightning_torchrec.sharding.features.feature_specs`.
         num_dense_features: expected dense width, or None.
         where: prefixed to the message, e.g. ``"rank 1, step 2"``.
 
@@ -378,7 +382,7 @@ def batch_problem(
 
     Args:
         batch: the batch.
-        specs: from :func:`~lightning_torchrec.sharding.tables.feature_specs`.
+        specs: from :func:`~lightning_torchrec.sharding.features.feature_specs`.
         num_dense_features: expected dense width, or None.
 
     Returns:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from lightning_torchrec.errors import BatchValidationError
-from lightning_torchrec.sharding.tables import FeatureSpec
+from lightning_torchrec.sharding.features import FeatureSpec, specs_for
 from lightning_torchrec.training.batch_checks import (
     check_batch,
     field_of,
@@ -59,13 +59,13 @@ def _structure(batch: Any, specs: Mapping[str, FeatureSpec]) -> str | None:
     if [k for k in keys if k not in specs] or sorted(set(specs) - set(keys)):
         return "unknown or missing sparse features"
     for kjt in kjts:
-        values = kjt.values()
+        values, kjt_specs = kjt.values(), specs_for(specs, kjt.keys())
         if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
             return "non-integer ids"
-        weighted = [k for k in kjt.keys() if specs[k].weighted]
+        weighted = [k for k in kjt.keys() if kjt_specs[k].weighted]
         if weighted and kjt.weights_or_none() is None:
             return "a weighted table's feature without weights"
-        if values.dtype != torch.int64 and any(specs[k].managed for k in kjt.keys()):
+        if values.dtype != torch.int64 and any(kjt_specs[k].managed for k in kjt.keys()):
             return "a managed-collision table's feature without int64 ids"
     return None
 
@@ -97,17 +97,18 @@ def device_flags(batch: Any, specs: Mapping[str, FeatureSpec]) -> torch.Tensor:
         if not keys or lengths.numel() == 0:
             continue
         stride = lengths.numel() // len(keys)
-        rows = torch.tensor([specs[k].num_embeddings for k in keys], device=device)
+        own = specs_for(specs, keys)  # a feature several collections read: this KJT's one
+        rows = torch.tensor([own[k].num_embeddings for k in keys], device=device)
         per_bag = rows.repeat_interleave(stride)
         flags[1] += (lengths.sum() != values.numel()).long()
         flags[2] += (lengths < 0).sum()
-        limits = [specs[k].max_ids for k in keys]
+        limits = [own[k].max_ids for k in keys]
         if any(m is not None for m in limits):
             most = torch.tensor([-1 if m is None else m for m in limits], device=device)
             most = most.repeat_interleave(stride)
             flags[FLAGS.index("too_long")] += ((lengths > most) & (most >= 0)).sum()
-        if any(specs[k].min_ids for k in keys):
-            least = torch.tensor([specs[k].min_ids for k in keys], device=device)
+        if any(own[k].min_ids for k in keys):
+            least = torch.tensor([own[k].min_ids for k in keys], device=device)
             flags[FLAGS.index("too_short")] += (lengths < least.repeat_interleave(stride)).sum()
         if values.numel():
             # Each id's bag by its position against the bags' ends: no host read, and robust

@@ -25,8 +25,8 @@ import torch
 from lightning_torchrec.compat.upstream import ShardedTensor
 from lightning_torchrec.distributed import collective_device, launch_agree, rank_and_world_size
 from lightning_torchrec.errors import BatchValidationError, NonFiniteLossError
+from lightning_torchrec.sharding.features import FeatureSpec
 from lightning_torchrec.sharding.layout import shard_info
-from lightning_torchrec.sharding.tables import FeatureSpec
 from lightning_torchrec.training.batch_checks import check_batch
 from lightning_torchrec.training.device_checks import DeferredVerdict
 from lightning_torchrec.training.uneven_data import check_even

@@ -30,8 +30,8 @@ from torch import nn
 from lightning_torchrec.compat.worker_fork import fork_safely
 from lightning_torchrec.distributed import run_collective
 from lightning_torchrec.errors import StopRequested
+from lightning_torchrec.sharding.features import FeatureSpec
 from lightning_torchrec.sharding.sharders import check_semi_sync_plan
-from lightning_torchrec.sharding.tables import FeatureSpec
 from lightning_torchrec.training.pipeline_feed import Peek, PipelineFeed, epoch_ending
 from lightning_torchrec.training.pipelines import SemiSyncPipeline, SparseDistPipeline
 from lightning_torchrec.training.step_guard import StepGuard

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from lightning_torchrec.sharding.tables import FeatureSpec
+from lightning_torchrec.sharding.features import FeatureSpec
 from lightning_torchrec.training.batch_checks import batch_problem
 
 #: The instance attribute of a batch holding ``(token, message or None)``.
