@@ -6,11 +6,14 @@ vote); on the CPU the pinned copy is skipped. One process.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 
 from lightning_torchrec import TorchRecStrategy
@@ -33,6 +36,54 @@ def test_device_flags_count_each_kind_of_problem() -> None:
     assert _named(device_flags(nan, SPECS))["dense"] == 1
     short = batch(lengths=torch.tensor([1, 1, 1, 0]))
     assert _named(device_flags(short, SPECS))["lengths"] == 1
+
+
+class _HostWaits(TorchDispatchMode):
+    """Records the ops that make the host wait for a GPU: host reads, blocking copies to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.__name__
+        source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        on_device = isinstance(out, torch.Tensor) and out.device.type != "cpu"
+        if name.startswith("_local_scalar_dense"):  # item(), bool(), a 0-dim tensor index
+            self.seen.append(name)
+        elif name.startswith("lift_fresh") and on_device:  # torch.tensor(data, device=...)
+            self.seen.append(name)
+        elif name.startswith("_to_copy") and on_device and not kwargs.get("non_blocking"):
+            if source is not None and source.device.type == "cpu":
+                self.seen.append(name)
+        return out
+
+
+def test_device_flags_never_make_the_host_wait_for_the_device(monkeypatch) -> None:
+    # On the meta device (no data) as on CUDA: every flag computed, nothing read on the host,
+    # nothing copied to the device synchronously (torch.tensor(data, device=...) does).
+    made_there: list[Any] = []
+    tensor = torch.tensor
+
+    def spy(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if torch.device(kwargs.get("device") or "cpu").type != "cpu":
+            made_there.append(data)
+        return tensor(data, *args, **kwargs)
+
+    limited = {k: dataclasses.replace(s, max_ids=1, min_ids=1) for k, s in SPECS.items()}
+    bad = batch(values=torch.tensor([1, -2, 10, 20])).to(torch.device("meta"))
+    monkeypatch.setattr(torch, "tensor", spy)
+    for specs in (SPECS, limited):
+        with _HostWaits() as waits:
+            found = device_flags(bad, specs)
+        assert found.device.type == "meta" and found.shape == (len(FLAGS) + 3,)
+        assert waits.seen == [] and made_there == []
+    monkeypatch.undo()
+    # The same code on the host still finds the first bad id without reading it early.
+    found = device_flags(batch(values=torch.tensor([1, -2, 10, 20])), limited)
+    assert found[len(FLAGS) :].tolist() == [0, 1, -2]
 
 
 def test_the_verdict_names_the_step_it_was_submitted_at() -> None:

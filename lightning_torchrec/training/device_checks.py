@@ -73,8 +73,10 @@ def _structure(batch: Any, specs: Mapping[str, FeatureSpec]) -> str | None:
 def device_flags(batch: Any, specs: Mapping[str, FeatureSpec]) -> torch.Tensor:
     """The batch's problems as :data:`FLAGS` counts, computed on the batch's device.
 
-    No host read of the batch's data: each id's table size is found by its position among the
-    bags' ends (``searchsorted`` on the device). Three more
+    No host read of the batch's data and no blocking copy to the device (either would make the
+    host wait for the GPU's queue): each id's table size is found by its position among the
+    bags' ends (``searchsorted`` on the device), the per-feature limits are copied from the
+    host without blocking, and the first bad id is gathered on the device. Three more
     entries locate the first id out of range (the KJT's index, the id's position, its value):
     the embedding kernels clamp such ids to 0 in place, so they must be recorded before the
     forward.
@@ -97,18 +99,16 @@ def device_flags(batch: Any, specs: Mapping[str, FeatureSpec]) -> torch.Tensor:
         if not keys or lengths.numel() == 0:
             continue
         stride = lengths.numel() // len(keys)
-        rows = torch.tensor([specs[k].num_embeddings for k in keys], device=device)
-        per_bag = rows.repeat_interleave(stride)
+        per_bag = _to_device([specs[k].num_embeddings for k in keys], device, stride)
         flags[1] += (lengths.sum() != values.numel()).long()
         flags[2] += (lengths < 0).sum()
         limits = [specs[k].max_ids for k in keys]
         if any(m is not None for m in limits):
-            most = torch.tensor([-1 if m is None else m for m in limits], device=device)
-            most = most.repeat_interleave(stride)
+            most = _to_device([-1 if m is None else m for m in limits], device, stride)
             flags[FLAGS.index("too_long")] += ((lengths > most) & (most >= 0)).sum()
         if any(specs[k].min_ids for k in keys):
-            least = torch.tensor([specs[k].min_ids for k in keys], device=device)
-            flags[FLAGS.index("too_short")] += (lengths < least.repeat_interleave(stride)).sum()
+            least = _to_device([specs[k].min_ids for k in keys], device, stride)
+            flags[FLAGS.index("too_short")] += (lengths < least).sum()
         if values.numel():
             # Each id's bag by its position against the bags' ends: no host read, and robust
             # to lengths that do not match the ids (flagged above).
@@ -120,7 +120,9 @@ def device_flags(batch: Any, specs: Mapping[str, FeatureSpec]) -> torch.Tensor:
             count = bad.sum()
             first = torch.argmax(bad.to(torch.int8))
             unset = (flags[0] == 0) & (count > 0)
-            where = torch.stack([torch.tensor(index, device=device), first, values[first].long()])
+            # ``values[first]`` would read ``first`` on the host (a 0-dim index is an item()).
+            value = values.index_select(0, first.reshape(1)).long()[0]
+            where = torch.stack([flags.new_full((), index), first, value])
             flags[len(FLAGS) :] = torch.where(unset, where, flags[len(FLAGS) :])
             flags[0] += count
     for index, name in ((3, "dense_features"), (4, "labels"), (5, "weights")):
@@ -128,6 +130,16 @@ def device_flags(batch: Any, specs: Mapping[str, FeatureSpec]) -> torch.Tensor:
         if isinstance(t, torch.Tensor) and t.is_floating_point():
             flags[index] += (~torch.isfinite(t)).sum().to(device)
     return flags
+
+
+def _to_device(per_key: list[int], device: torch.device, stride: int) -> torch.Tensor:
+    """One value per key, repeated for each of its ``stride`` bags, on ``device``.
+
+    Copied from the host without blocking: ``torch.tensor(..., device=cuda)`` copies
+    synchronously, and so waits for everything queued on the GPU before it.
+    """
+    values = torch.tensor(per_key, dtype=torch.int64)
+    return values.to(device, non_blocking=True).repeat_interleave(stride)
 
 
 class DeferredVerdict:
