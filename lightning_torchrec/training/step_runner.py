@@ -74,6 +74,7 @@ class StepRunner:
             on every rank after every training step), so the vote runs while the backward does
             instead of stopping the step. The batches the vote covers are read one step early:
             the next step's batch, or with a pipeline the ones its next ``progress()`` sends.
+            On CUDA it carries the previous step's loss (this step's waits for the forward).
         transformed: the front end changes each batch between the loader and the step (e.g. a
             LightningModule's batch hooks): each step checks the batch it is given (on its
             device), not a host copy (:meth:`hold` keeps none) nor a DataLoader worker's
@@ -107,13 +108,11 @@ class StepRunner:
         # sequence model): past it the forward fails (a device-side assert) before a verdict a
         # step later, so "auto" checks such a model's batches before their forward.
         limited = any(spec.max_ids is not None for spec in (specs or {}).values())
-        deferred = batch_checks == "next_step" or (
-            batch_checks == "auto" and device.type == "cuda" and not limited
-        )
+        auto = batch_checks == "auto" and device.type == "cuda" and not limited
+        deferred = batch_checks == "next_step" or auto
         self.model, self.device = model, device
         self.pipeline, self.start_batch, self.asked = pipeline, start_batch, asked
-        self.global_step = global_step
-        self.timeout = timeout
+        self.global_step, self.timeout = global_step, timeout
         self.guard = StepGuard(
             on_nonfinite_loss,
             device,
@@ -269,11 +268,15 @@ class StepRunner:
             output, usable = self.collective(pipeline.run, run, lambda: run(move(host)))
             if not usable:  # unpipelined from now on, with no batch read ahead to vote on
                 self.training, self.vote_ahead = None, False
-        guard.record_loss(output, step)
+        late = self.vote_ahead and self.device.type == "cuda"  # see the vote_ahead argument
+        if not late:
+            guard.record_loss(output, step)
         if self.vote_ahead and self.training is not None:
             self._vote_next_sent(self.training, step, batch_idx, last, stop)
         elif self.vote_ahead and self._peek is not None:
             self._vote_next(step, batch_idx, last, stop)
+        if late:
+            guard.record_loss(output, step)
         return output
 
     def _vote_next_sent(
@@ -289,9 +292,7 @@ class StepRunner:
     def _vote_next(self, step: int, batch_idx: int, last: bool, stop: bool) -> None:
         assert self._peek is not None
         found, upcoming = self._peek.after(batch_idx)
-        error = None
-        if found and not last:
-            error = self.guard.verdict_of(upcoming, step + 1)
+        error = self.guard.verdict_of(upcoming, step + 1) if found and not last else None
         self.collective(self.guard.vote_ahead, error, batch_idx, last or not found, stop)
         self._covered = None if last or not found else batch_idx + 1
 
@@ -358,8 +359,7 @@ class StepRunner:
 
     def after_backward(self) -> None:
         """After the backward of a training step: semi-sync's table update of that batch."""
-        if self.updates_after_backward:  # sparse-dist has nothing to do here
-            assert self.training is not None
+        if isinstance(self.training, SemiSyncPipeline):  # sparse-dist has nothing to do here
             self.collective(self.training.after_backward)
 
     # ------------------------------------------------------------------ stages
