@@ -12,14 +12,32 @@ from typing import Any
 
 import pytest
 import torch
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+    BoundsCheckMode,
+    EmbeddingLocation,
+)
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    ComputeDevice,
+    DenseTableBatchedEmbeddingBagsCodegen,
+    SplitTableBatchedEmbeddingBagsCodegen,
+)
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 
 from lightning_torchrec import TorchRecStrategy
 from lightning_torchrec.errors import BatchValidationError
-from lightning_torchrec.training.device_checks import FLAGS, DeferredVerdict, device_flags
-from tests.scripts.factory import cpu_trainer, table_wise
+from lightning_torchrec.sharding.tables import FeatureSpec
+from lightning_torchrec.training.device_checks import (
+    FLAGS,
+    DeferredVerdict,
+    clamps_bad_ids,
+    device_flags,
+    judged_next_step,
+)
+from lightning_torchrec.training.step_runner import StepRunner
+from tests.scripts.factory import cpu_trainer, sharding_constraints, table_wise
 from tests.test_validation import SPECS, _Batches, batch, model
 
 
@@ -138,3 +156,39 @@ def test_no_checkpoint_holds_the_bad_batch_update(tmp_path) -> None:
 def test_the_strategy_refuses_an_unknown_timing() -> None:
     with pytest.raises(ValueError, match="batch_checks must be one of"):
         TorchRecStrategy(batch_checks="sometimes")
+
+
+def test_auto_judges_at_the_next_step_only_where_every_kernel_clamps_bad_ids() -> None:
+    # fbgemm's dense kernel (every data_parallel table's) reads and writes at a bad id as given:
+    # on CUDA out of the table's rows, or a fault, before any verdict a step later.
+    spec = {"cat_0": FeatureSpec("cat_0", "t", 10)}
+    cuda = torch.device("cuda")
+
+    def split(**kwargs: Any) -> nn.Module:
+        return SplitTableBatchedEmbeddingBagsCodegen(
+            [(10, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)], **kwargs
+        )
+
+    def deferred(*kernels: nn.Module, checks: str = "auto") -> bool:
+        return judged_next_step(checks, cuda, spec, nn.ModuleList(kernels))
+
+    dense = DenseTableBatchedEmbeddingBagsCodegen([(10, 4)], use_cpu=True)
+    assert deferred(split()) and deferred(split(bounds_check_mode=BoundsCheckMode.IGNORE))
+    assert not deferred(split(), dense)
+    assert not deferred(split(bounds_check_mode=BoundsCheckMode.NONE))
+    assert not deferred(split(bounds_check_mode=BoundsCheckMode.FATAL))
+    assert deferred(dense, checks="next_step")  # asked for: as asked
+    assert not judged_next_step("auto", torch.device("cpu"), spec, nn.ModuleList([split()]))
+
+
+def test_a_sharded_data_parallel_table_is_checked_before_its_forward_on_cuda() -> None:
+    module = model()
+    constraints = sharding_constraints({"t_cat_0": "table_wise", "t_cat_1": "data_parallel"})
+    for types, clamped in ((table_wise(2), True), (constraints, False)):
+        trainer = cpu_trainer(TorchRecStrategy(constraints=types, log_plan=False), max_steps=1)
+        trainer.fit(module, DataLoader(_Batches(bad_at=99), batch_size=None))
+        dmp = trainer.strategy.dmp
+        assert clamps_bad_ids(dmp) is clamped
+        runner = StepRunner(dmp, torch.device("cuda"), specs=SPECS, dense_width=3)
+        assert (runner.guard.deferred is not None) is clamped
+        module = model()

@@ -32,6 +32,7 @@ from lightning_torchrec.distributed import run_collective
 from lightning_torchrec.errors import StopRequested
 from lightning_torchrec.sharding.sharders import check_semi_sync_plan
 from lightning_torchrec.sharding.tables import FeatureSpec
+from lightning_torchrec.training.device_checks import judged_next_step
 from lightning_torchrec.training.pipeline_feed import Peek, PipelineFeed, epoch_ending
 from lightning_torchrec.training.pipelines import SemiSyncPipeline, SparseDistPipeline
 from lightning_torchrec.training.step_guard import StepGuard
@@ -67,7 +68,9 @@ class StepRunner:
             checked: ``"before_forward"`` (its ids read on the host), ``"next_step"`` (on its
             device, judged at the next step's vote; see
             :mod:`~lightning_torchrec.training.device_checks`), or ``"auto"``: ``"next_step"``
-            on CUDA, ``"before_forward"`` on the CPU (where both read the same memory).
+            on CUDA where a bad batch cannot break its own step first (see
+            :func:`~lightning_torchrec.training.device_checks.judged_next_step`),
+            ``"before_forward"`` otherwise and on the CPU (where both read the same memory).
         vote_ahead: for steps whose batches are checked on the host (pipelined, or unpipelined
             with host checks): start each step's vote on the next step right after the forward
             and decide it after the step (:meth:`after_step`, which the front end must then call
@@ -104,12 +107,7 @@ class StepRunner:
             raise ValueError(f"batch_checks must be one of {BATCH_CHECKS}, got {batch_checks!r}")
         if transformed and pipeline is not None:
             raise ValueError(f"pipeline={pipeline!r} trains on the loader's batches: use None")
-        # A per-sample limit guards a forward that indexes by position (a position-weighted or
-        # sequence model): past it the forward fails (a device-side assert) before a verdict a
-        # step later, so "auto" checks such a model's batches before their forward.
-        limited = any(spec.max_ids is not None for spec in (specs or {}).values())
-        auto = batch_checks == "auto" and device.type == "cuda" and not limited
-        deferred = batch_checks == "next_step" or auto
+        deferred = judged_next_step(batch_checks, device, specs or {}, model)
         self.model, self.device = model, device
         self.pipeline, self.start_batch, self.asked = pipeline, start_batch, asked
         self.global_step, self.timeout = global_step, timeout
