@@ -381,9 +381,11 @@ class SyncAudit(Callback):
     """Records every GPU-to-host sync from the start of step ``start`` to the start of ``stop``.
 
     On CUDA ``torch.cuda.set_sync_debug_mode("warn")`` makes each sync a warning; a
-    ``warnings.showwarning`` hook takes the Python stack at that point. With ``proxy=True``
-    (CPU testing) ``Tensor.item``, ``tolist``, ``__bool__``, ``__float__`` and ``__int__`` warn
-    instead.
+    ``warnings.showwarning`` hook takes the Python stack at that point. That mode does not see
+    ``torch.cuda.Event.synchronize`` nor ``torch.cuda.synchronize``, so they warn too (an event
+    only when it had not been reached yet: waiting for one that was costs nothing). With
+    ``proxy=True`` (CPU testing) ``Tensor.item``, ``tolist``, ``__bool__``, ``__float__`` and
+    ``__int__`` warn instead.
     """
 
     PROXIED = ("item", "tolist", "__bool__", "__float__", "__int__")
@@ -395,6 +397,7 @@ class SyncAudit(Callback):
         self.steps_seen: list[int] = []
         self._cm: Any = None
         self._saved: dict[str, Any] = {}
+        self._waits: dict[str, Any] = {}
 
     def _show(self, message: Any, category: Any, filename: Any, lineno: Any, *rest: Any) -> None:
         text = str(message)
@@ -412,7 +415,29 @@ class SyncAudit(Callback):
                 setattr(torch.Tensor, name, self._proxy(name, original))
         else:
             torch.cuda.set_sync_debug_mode("warn")
+            event, cuda = torch.cuda.Event, torch.cuda
+            self._waits = {"event": event.synchronize, "device": cuda.synchronize}
+            event.synchronize = self._event_wait(self._waits["event"])  # type: ignore[method-assign]
+            cuda.synchronize = self._device_wait(self._waits["device"])
         self.active = True
+
+    @staticmethod
+    def _event_wait(original: Callable[..., Any]) -> Callable[..., Any]:
+        def synchronize(event: Any, *args: Any, **kwargs: Any) -> Any:
+            if not event.query():  # not reached yet: the host waits
+                warnings.warn("called a synchronizing CUDA operation (CUDA event)", stacklevel=2)
+            return original(event, *args, **kwargs)
+
+        return synchronize
+
+    @staticmethod
+    def _device_wait(original: Callable[..., Any]) -> Callable[..., Any]:
+        def synchronize(*args: Any, **kwargs: Any) -> Any:
+            text = "called a synchronizing CUDA operation (torch.cuda.synchronize)"
+            warnings.warn(text, stacklevel=2)
+            return original(*args, **kwargs)
+
+        return synchronize
 
     @staticmethod
     def _proxy(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -433,6 +458,10 @@ class SyncAudit(Callback):
             self._saved.clear()
         else:
             torch.cuda.set_sync_debug_mode(0)
+            if self._waits:
+                torch.cuda.Event.synchronize = self._waits["event"]  # type: ignore[method-assign]
+                torch.cuda.synchronize = self._waits["device"]
+                self._waits = {}
         self._cm.__exit__(None, None, None)
 
     def on_train_batch_start(

@@ -4,14 +4,18 @@
 #
 #   scripts/gpu_run.sh [checks|bench|all|setup]      (default: all)
 #
-# Needs .gpu/fb.part.* (the fbgemm-gpu wheel split in parts; cat in name order rebuilds it) and
+# Needs the fbgemm-gpu wheel split in parts named fb.part.* (cat in name order rebuilds it), in
+# .gpu/ or $PARTS (default /tmp/parts, where shared/GPU.md's route copies each part: a carried
+# path does not stay in the checkout after its call; a part found in both is taken once), and
 # .gpu/small/*.whl (torchrec, torchmetrics, iopath, tensordict, pyvers); installs them into
 # $SITE (the system temp folder's site/, once per machine) and runs with PYTHONPATH=$SITE:$PWD. Modules that torchrec or
 # this package import but that are not installed (pyre_extensions, portalocker, pyarrow) get
 # minimal stubs in $STUBS (site_stubs/ beside it), announced loudly, so that imports work.
 #
-# Output under $OUT (default ./gpu_out): setup.log, checks.log, bench.log, cuda_checks.json
-# (+ check_*.json, cuda_checks_worker.log, demo/), pipeline_throughput_cuda.json.
+# Output under $OUT (default ./gpu_out): setup.log, preflight.log, checks.log, bench.log,
+# cuda_checks.json, cuda_checks_worker.log, pipeline_throughput_cuda.json: at most 8 files, as
+# many as come back from a lent machine's $OUT (the per-check check_*.json, whose entries are in
+# cuda_checks.json, and the demo's TensorBoard logs are removed at the end).
 #
 # Environment (all optional):
 #   OUT             output folder
@@ -70,9 +74,17 @@ install_wheels() {
     say "wheels already installed in $SITE"
     return 0
   fi
-  local parts=(.gpu/fb.part.*) small=(.gpu/small/*.whl) name
-  if [[ ! -e "${parts[0]}" ]]; then
-    say "ERROR: no .gpu/fb.part.* here ($ROOT)"
+  local small=(.gpu/small/*.whl) name part parts=()
+  local -A seen=()
+  while IFS= read -r part; do # each part name once, in name order, from either folder
+    [[ -n "${seen[${part##*/}]:-}" ]] && continue
+    seen[${part##*/}]=1
+    parts+=("$part")
+  done < <(for part in .gpu/fb.part.* "${PARTS:-/tmp/parts}"/fb.part.*; do
+    [[ -f "$part" ]] && printf '%s\t%s\n' "${part##*/}" "$part"
+  done | sort -t $'\t' -k1,1 -s | cut -f2)
+  if ((${#parts[@]} == 0)); then
+    say "ERROR: no fb.part.* in .gpu/ ($ROOT) nor in ${PARTS:-/tmp/parts}"
     return 1
   fi
   rm -rf "$SITE" # a half-finished earlier install: pip --target would skip what exists
@@ -272,6 +284,11 @@ if [[ "$PART" == bench || "$PART" == all ]]; then
   run_step bench "$(cap $(($(left) - 5)))" "$PY" -m benchmarks.pipeline_throughput \
     --accelerator "$ACCEL" --out "$OUT" $BENCH_ARGS || status=1
 fi
+# What comes back from a lent machine's $OUT is at most 8 files, 2 folders down: drop the copies.
+if [[ -f "$OUT/cuda_checks.json" ]]; then
+  rm -f "$OUT"/check_*.json
+fi
+rm -rf "$OUT/demo"
 say "done (status $status); results in $OUT:"
 ls -la "$OUT"
 exit "$status"

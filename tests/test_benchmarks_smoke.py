@@ -210,3 +210,35 @@ def test_children_forked_after_a_collective_all_start(results: Path) -> None:
         assert r["modes"][mode]["failed"] == 0
     assert r["modes"]["quiet_fork"]["hung"] == 0
     assert "Loader workers forked next to gloo's threads" in (results / "README.md").read_text()
+
+
+def test_the_sync_audit_sees_the_waits_cudas_debug_mode_misses() -> None:
+    # set_sync_debug_mode reports neither Event.synchronize nor torch.cuda.synchronize: the
+    # deferred batch verdict and the loss are read through events, semi-sync's sync phase
+    # synchronizes the device. The audit's wrappers report them (an event only while unreached).
+    import warnings
+
+    from benchmarks.cuda_checks import SyncAudit
+
+    class Event:
+        def __init__(self, reached: bool) -> None:
+            self.reached = reached
+
+        def query(self) -> bool:
+            return self.reached
+
+    calls: list[object] = []
+    event_wait = SyncAudit._event_wait(calls.append)
+    device_wait = SyncAudit._device_wait(lambda: calls.append("device"))
+    audit = SyncAudit(0, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = audit._show
+        event_wait(Event(reached=True))
+        event_wait(Event(reached=False))
+        device_wait()
+    assert len(calls) == 3  # each still synchronizes
+    assert [text for text, _ in audit.events] == [
+        "called a synchronizing CUDA operation (CUDA event)",
+        "called a synchronizing CUDA operation (torch.cuda.synchronize)",
+    ]

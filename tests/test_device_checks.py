@@ -6,17 +6,38 @@ vote); on the CPU the pinned copy is skipped. One process.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+    BoundsCheckMode,
+    EmbeddingLocation,
+)
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    ComputeDevice,
+    DenseTableBatchedEmbeddingBagsCodegen,
+    SplitTableBatchedEmbeddingBagsCodegen,
+)
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 
 from lightning_torchrec import TorchRecStrategy
 from lightning_torchrec.errors import BatchValidationError
-from lightning_torchrec.training.device_checks import FLAGS, DeferredVerdict, device_flags
-from tests.scripts.factory import cpu_trainer, table_wise
+from lightning_torchrec.sharding.features import FeatureSpec
+from lightning_torchrec.training.device_checks import (
+    FLAGS,
+    DeferredVerdict,
+    clamps_bad_ids,
+    device_flags,
+    judged_next_step,
+)
+from lightning_torchrec.training.step_runner import StepRunner
+from tests.scripts.factory import cpu_trainer, sharding_constraints, table_wise
 from tests.test_validation import SPECS, _Batches, batch, model
 
 
@@ -33,6 +54,54 @@ def test_device_flags_count_each_kind_of_problem() -> None:
     assert _named(device_flags(nan, SPECS))["dense"] == 1
     short = batch(lengths=torch.tensor([1, 1, 1, 0]))
     assert _named(device_flags(short, SPECS))["lengths"] == 1
+
+
+class _HostWaits(TorchDispatchMode):
+    """Records the ops that make the host wait for a GPU: host reads, blocking copies to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.__name__
+        source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        on_device = isinstance(out, torch.Tensor) and out.device.type != "cpu"
+        if name.startswith("_local_scalar_dense"):  # item(), bool(), a 0-dim tensor index
+            self.seen.append(name)
+        elif name.startswith("lift_fresh") and on_device:  # torch.tensor(data, device=...)
+            self.seen.append(name)
+        elif name.startswith("_to_copy") and on_device and not kwargs.get("non_blocking"):
+            if source is not None and source.device.type == "cpu":
+                self.seen.append(name)
+        return out
+
+
+def test_device_flags_never_make_the_host_wait_for_the_device(monkeypatch) -> None:
+    # On the meta device (no data) as on CUDA: every flag computed, nothing read on the host,
+    # nothing copied to the device synchronously (torch.tensor(data, device=...) does).
+    made_there: list[Any] = []
+    tensor = torch.tensor
+
+    def spy(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if torch.device(kwargs.get("device") or "cpu").type != "cpu":
+            made_there.append(data)
+        return tensor(data, *args, **kwargs)
+
+    limited = {k: dataclasses.replace(s, max_ids=1, min_ids=1) for k, s in SPECS.items()}
+    bad = batch(values=torch.tensor([1, -2, 10, 20])).to(torch.device("meta"))
+    monkeypatch.setattr(torch, "tensor", spy)
+    for specs in (SPECS, limited):
+        with _HostWaits() as waits:
+            found = device_flags(bad, specs)
+        assert found.device.type == "meta" and found.shape == (len(FLAGS) + 3,)
+        assert waits.seen == [] and made_there == []
+    monkeypatch.undo()
+    # The same code on the host still finds the first bad id without reading it early.
+    found = device_flags(batch(values=torch.tensor([1, -2, 10, 20])), limited)
+    assert found[len(FLAGS) :].tolist() == [0, 1, -2]
 
 
 def test_the_verdict_names_the_step_it_was_submitted_at() -> None:
@@ -87,3 +156,39 @@ def test_no_checkpoint_holds_the_bad_batch_update(tmp_path) -> None:
 def test_the_strategy_refuses_an_unknown_timing() -> None:
     with pytest.raises(ValueError, match="batch_checks must be one of"):
         TorchRecStrategy(batch_checks="sometimes")
+
+
+def test_auto_judges_at_the_next_step_only_where_every_kernel_clamps_bad_ids() -> None:
+    # fbgemm's dense kernel (every data_parallel table's) reads and writes at a bad id as given:
+    # on CUDA out of the table's rows, or a fault, before any verdict a step later.
+    spec = {"cat_0": FeatureSpec("cat_0", "t", 10)}
+    cuda = torch.device("cuda")
+
+    def split(**kwargs: Any) -> nn.Module:
+        return SplitTableBatchedEmbeddingBagsCodegen(
+            [(10, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)], **kwargs
+        )
+
+    def deferred(*kernels: nn.Module, checks: str = "auto") -> bool:
+        return judged_next_step(checks, cuda, spec, nn.ModuleList(kernels))
+
+    dense = DenseTableBatchedEmbeddingBagsCodegen([(10, 4)], use_cpu=True)
+    assert deferred(split()) and deferred(split(bounds_check_mode=BoundsCheckMode.IGNORE))
+    assert not deferred(split(), dense)
+    assert not deferred(split(bounds_check_mode=BoundsCheckMode.NONE))
+    assert not deferred(split(bounds_check_mode=BoundsCheckMode.FATAL))
+    assert deferred(dense, checks="next_step")  # asked for: as asked
+    assert not judged_next_step("auto", torch.device("cpu"), spec, nn.ModuleList([split()]))
+
+
+def test_a_sharded_data_parallel_table_is_checked_before_its_forward_on_cuda() -> None:
+    module = model()
+    constraints = sharding_constraints({"t_cat_0": "table_wise", "t_cat_1": "data_parallel"})
+    for types, clamped in ((table_wise(2), True), (constraints, False)):
+        trainer = cpu_trainer(TorchRecStrategy(constraints=types, log_plan=False), max_steps=1)
+        trainer.fit(module, DataLoader(_Batches(bad_at=99), batch_size=None))
+        dmp = trainer.strategy.dmp
+        assert clamps_bad_ids(dmp) is clamped
+        runner = StepRunner(dmp, torch.device("cuda"), specs=SPECS, dense_width=3)
+        assert (runner.guard.deferred is not None) is clamped
+        module = model()

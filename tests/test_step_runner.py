@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from lightning_torchrec import DLRMClickModule, TorchRecStrategy
+from lightning_torchrec.errors import NonFiniteLossError
 from lightning_torchrec.lightning.step_hooks import votes_ahead
 from lightning_torchrec.sharding.features import FeatureSpec
 from lightning_torchrec.training.pipeline_feed import Peek, Split
@@ -169,3 +170,29 @@ def test_auto_checks_a_model_with_a_per_sample_limit_before_its_forward_on_cuda(
     plain = FeatureSpec("f", "t", 10)
     assert deferred({"f": plain})
     assert not deferred({"f": dataclasses.replace(plain, max_ids=3)})
+
+
+def test_on_cuda_the_vote_ahead_carries_the_previous_steps_loss() -> None:
+    # The vote ahead starts right after the forward: on CUDA, reading that step's loss would
+    # hold the host until the GPU finished the forward. The order is what is tested here, with
+    # host tensors standing in for the GPU's.
+    def stopped_after(device: str) -> int:
+        runner = StepRunner(
+            nn.Linear(1, 1),
+            torch.device(device),
+            specs={},
+            dense_width=None,
+            validate_batches=False,
+            batch_checks="before_forward",
+            vote_ahead=True,
+        )
+        losses = [torch.tensor(0.5), torch.tensor(float("nan")), torch.tensor(0.5)]
+        step = -1
+        with pytest.raises(NonFiniteLossError, match="at global step 1 "):
+            for step, batch in enumerate(runner.feed([0, 1, 2], True)):
+                runner.train_step(batch, step, step, step == 2, losses.__getitem__, print)
+                runner.after_step()
+        return step
+
+    assert stopped_after("cpu") == 1  # decided after the step of the NaN loss
+    assert stopped_after("cuda") == 2  # one step later: no wait for the forward's end

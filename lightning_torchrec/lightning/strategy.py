@@ -129,13 +129,13 @@ class TorchRecStrategy(
             synchronous), so their all-to-all overlaps the backward; synchronous (the same
             results as ``None``) before it. ``None``: no pipeline.
         batch_checks: when an unpipelined training batch that no DataLoader worker checked
-            is checked. ``"auto"``: ``"next_step"`` on CUDA, ``"before_forward"`` on the CPU.
-            ``"before_forward"``: its ids are read on the host before the forward (on CUDA the
-            host then waits for the GPU's copy of the batch). ``"next_step"``: checked on the
-            device with a few reductions, the verdict read at the next step's vote (no wait);
-            a bad batch stops every rank one step later, with the same named error, its ids
-            clamped to row 0 by fbgemm in between, and before any checkpoint is written (see
-            ``lightning_torchrec.training.device_checks``).
+            is checked. ``"auto"``: ``"next_step"`` on CUDA where every table's kernel clamps bad
+            ids and no feature has a per-sample limit, else ``"before_forward"``: its ids are
+            read on the host before the forward (on CUDA the host then waits for the GPU's copy
+            of the batch). ``"next_step"``: checked on the device with a few reductions, the
+            verdict read at the next step's vote (no wait); a bad batch stops every rank one
+            step later, with the same named error, its ids clamped to row 0 by fbgemm in
+            between, and before any checkpoint is written (``training.device_checks``).
         pipeline_options: ``{"start_batch": N}`` for ``"semi_sync"`` (default 900, TorchRec's).
         vote_ahead: training on more than one rank, pipelined or with batches checked on the
             host: each step's vote on the next step starts after the forward and is decided

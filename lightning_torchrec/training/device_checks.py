@@ -9,10 +9,12 @@ When the flags say the batch was bad, the full host check
 (:func:`~lightning_torchrec.training.batch_checks.validate_batch`) runs on that batch, only
 then, to name the rank, step, feature, table and value.
 
-What the tables hold in the window: the bad batch's own step has run. fbgemm's embedding kernels
-run with ``bounds_check_mode=WARNING`` (TorchRec's default): an id outside its table is replaced
-by row 0 before any memory access, so nothing is read or written out of bounds, but row 0 of that
-table got that step's update. The run then stops at the next step's vote with the same named
+What the tables hold in the window: the bad batch's own step has run. fbgemm's fused embedding
+kernels run with ``bounds_check_mode=WARNING`` (TorchRec's default): an id outside its table is
+replaced by row 0 before any memory access, so nothing is read or written out of bounds, but row 0
+of that table got that step's update. fbgemm's dense kernel (``data_parallel`` tables) checks
+nothing, so ``batch_checks="auto"`` reads the ids before the forward where a table has it
+(:func:`judged_next_step`). The run then stops at the next step's vote with the same named
 :class:`~lightning_torchrec.errors.BatchValidationError` on every rank, and a checkpoint is never
 written in the window: saving settles the pending verdict first (a collective), so the last
 checkpoint is the last good state. ``batch_checks="before_forward"`` keeps the strict order
@@ -25,9 +27,16 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    DenseTableBatchedEmbeddingBagsCodegen,
+)
+from torch import nn
 
+from lightning_torchrec.compat.upstream import fused_kernels
 from lightning_torchrec.errors import BatchValidationError
 from lightning_torchrec.sharding.features import FeatureSpec, specs_for
+from lightning_torchrec.sharding.sharders import FUSED_KERNELS
 from lightning_torchrec.training.batch_checks import (
     check_batch,
     field_of,
@@ -48,6 +57,63 @@ FLAGS = (
     "too_long",
     "too_short",
 )
+
+#: fbgemm's bounds-check modes that replace an id out of range by row 0 on the device.
+CLAMPING_MODES = frozenset(
+    m.value for m in BoundsCheckMode if m.name in ("WARNING", "IGNORE", "V2_WARNING", "V2_IGNORE")
+)
+
+
+def clamps_bad_ids(model: nn.Module) -> bool:
+    """Whether every fbgemm embedding kernel of ``model`` clamps ids out of range on the device.
+
+    fbgemm's split kernels (TorchRec's fused ones) replace such an id by row 0 before any memory
+    access under :data:`CLAMPING_MODES` (TorchRec's default is ``WARNING``); ``FATAL`` stops the
+    kernel with a device-side assert and ``NONE`` checks nothing. fbgemm's dense kernel (every
+    ``data_parallel`` table's) checks nothing: on CUDA its forward reads, and its backward
+    writes, at the id as given: another table's rows, memory past them, or a fault.
+
+    Args:
+        model: the sharded model (its plan names each table's kernel; the fused optimizer holds
+            the fused kernels, which a sharded module does not list among its submodules).
+
+    Returns:
+        True when a bad id reaches no memory out of its table before the next step's verdict.
+    """
+    plan = getattr(model, "plan", None)
+    shardings = [ps for m in plan.plan.values() for ps in m.values()] if plan is not None else []
+    if any(ps.compute_kernel not in FUSED_KERNELS for ps in shardings):
+        return False
+    kernels = [*fused_kernels(getattr(model, "fused_optimizer", None)), *model.modules()]
+    if any(isinstance(k, DenseTableBatchedEmbeddingBagsCodegen) for k in kernels):
+        return False
+    modes = [getattr(k, "bounds_check_mode_int", None) for k in kernels]
+    return all(mode is None or mode in CLAMPING_MODES for mode in modes)
+
+
+def judged_next_step(
+    batch_checks: str, device: torch.device, specs: Mapping[str, FeatureSpec], model: nn.Module
+) -> bool:
+    """Whether a training batch's checks are judged at the next step (``batch_checks``).
+
+    ``"auto"`` judges them there on CUDA where a bad batch cannot break its own step first:
+    where no feature has a per-sample limit (a position-weighted or sequence model indexes by
+    position: past the limit its forward fails with a device-side assert) and every embedding
+    kernel clamps bad ids (:func:`clamps_bad_ids`). Elsewhere its ids are read before the forward.
+
+    Args:
+        batch_checks: ``"auto"``, ``"before_forward"`` or ``"next_step"``.
+        device: the rank's device.
+        specs: what each sparse feature may hold.
+        model: the sharded model.
+
+    Returns:
+        True for ``"next_step"``, and for ``"auto"`` where it defers.
+    """
+    if batch_checks != "auto":
+        return batch_checks == "next_step"
+    limited = any(spec.max_ids is not None for spec in specs.values())
+    return device.type == "cuda" and not limited and clamps_bad_ids(model)
 
 
 def _structure(batch: Any, specs: Mapping[str, FeatureSpec]) -> str | None:
@@ -73,8 +139,10 @@ def _structure(batch: Any, specs: Mapping[str, FeatureSpec]) -> str | None:
 def device_flags(batch: Any, specs: Mapping[str, FeatureSpec]) -> torch.Tensor:
     """The batch's problems as :data:`FLAGS` counts, computed on the batch's device.
 
-    No host read of the batch's data: each id's table size is found by its position among the
-    bags' ends (``searchsorted`` on the device). Three more
+    No host read of the batch's data and no blocking copy to the device (either would make the
+    host wait for the GPU's queue): each id's table size is found by its position among the
+    bags' ends (``searchsorted`` on the device), the per-feature limits are copied from the
+    host without blocking, and the first bad id is gathered on the device. Three more
     entries locate the first id out of range (the KJT's index, the id's position, its value):
     the embedding kernels clamp such ids to 0 in place, so they must be recorded before the
     forward.
@@ -98,18 +166,16 @@ def device_flags(batch: Any, specs: Mapping[str, FeatureSpec]) -> torch.Tensor:
             continue
         stride = lengths.numel() // len(keys)
         own = specs_for(specs, keys)  # a feature several collections read: this KJT's one
-        rows = torch.tensor([own[k].num_embeddings for k in keys], device=device)
-        per_bag = rows.repeat_interleave(stride)
+        per_bag = _to_device([own[k].num_embeddings for k in keys], device, stride)
         flags[1] += (lengths.sum() != values.numel()).long()
         flags[2] += (lengths < 0).sum()
         limits = [own[k].max_ids for k in keys]
         if any(m is not None for m in limits):
-            most = torch.tensor([-1 if m is None else m for m in limits], device=device)
-            most = most.repeat_interleave(stride)
+            most = _to_device([-1 if m is None else m for m in limits], device, stride)
             flags[FLAGS.index("too_long")] += ((lengths > most) & (most >= 0)).sum()
         if any(own[k].min_ids for k in keys):
-            least = torch.tensor([own[k].min_ids for k in keys], device=device)
-            flags[FLAGS.index("too_short")] += (lengths < least.repeat_interleave(stride)).sum()
+            least = _to_device([own[k].min_ids for k in keys], device, stride)
+            flags[FLAGS.index("too_short")] += (lengths < least).sum()
         if values.numel():
             # Each id's bag by its position against the bags' ends: no host read, and robust
             # to lengths that do not match the ids (flagged above).
@@ -121,7 +187,9 @@ def device_flags(batch: Any, specs: Mapping[str, FeatureSpec]) -> torch.Tensor:
             count = bad.sum()
             first = torch.argmax(bad.to(torch.int8))
             unset = (flags[0] == 0) & (count > 0)
-            where = torch.stack([torch.tensor(index, device=device), first, values[first].long()])
+            # ``values[first]`` would read ``first`` on the host (a 0-dim index is an item()).
+            value = values.index_select(0, first.reshape(1)).long()[0]
+            where = torch.stack([flags.new_full((), index), first, value])
             flags[len(FLAGS) :] = torch.where(unset, where, flags[len(FLAGS) :])
             flags[0] += count
     for index, name in ((3, "dense_features"), (4, "labels"), (5, "weights")):
@@ -129,6 +197,16 @@ def device_flags(batch: Any, specs: Mapping[str, FeatureSpec]) -> torch.Tensor:
         if isinstance(t, torch.Tensor) and t.is_floating_point():
             flags[index] += (~torch.isfinite(t)).sum().to(device)
     return flags
+
+
+def _to_device(per_key: list[int], device: torch.device, stride: int) -> torch.Tensor:
+    """One value per key, repeated for each of its ``stride`` bags, on ``device``.
+
+    Copied from the host without blocking: ``torch.tensor(..., device=cuda)`` copies
+    synchronously, and so waits for everything queued on the GPU before it.
+    """
+    values = torch.tensor(per_key, dtype=torch.int64)
+    return values.to(device, non_blocking=True).repeat_interleave(stride)
 
 
 class DeferredVerdict:

@@ -310,7 +310,7 @@ class StepGuard:
         """Starts the next step's vote now, to be decided after this step (:meth:`decide_ahead`).
 
         It carries what :meth:`check` would decide before the next forward (the next batch's
-        verdict, this step's loss, "no batch after this one", a stop request) and runs while
+        verdict, the loss recorded last, "no batch after this one", a stop request) and runs while
         this step's backward and update do. Other votes may run meanwhile (gloo keeps their
         order); a checkpoint of this step can be written before it is decided.
 

@@ -32,6 +32,7 @@ from lightning_torchrec.distributed import run_collective
 from lightning_torchrec.errors import StopRequested
 from lightning_torchrec.sharding.features import FeatureSpec
 from lightning_torchrec.sharding.sharders import check_semi_sync_plan
+from lightning_torchrec.training.device_checks import judged_next_step
 from lightning_torchrec.training.pipeline_feed import Peek, PipelineFeed, epoch_ending
 from lightning_torchrec.training.pipelines import SemiSyncPipeline, SparseDistPipeline
 from lightning_torchrec.training.step_guard import StepGuard
@@ -67,13 +68,16 @@ class StepRunner:
             checked: ``"before_forward"`` (its ids read on the host), ``"next_step"`` (on its
             device, judged at the next step's vote; see
             :mod:`~lightning_torchrec.training.device_checks`), or ``"auto"``: ``"next_step"``
-            on CUDA, ``"before_forward"`` on the CPU (where both read the same memory).
+            on CUDA where a bad batch cannot break its own step first (see
+            :func:`~lightning_torchrec.training.device_checks.judged_next_step`),
+            ``"before_forward"`` otherwise and on the CPU (where both read the same memory).
         vote_ahead: for steps whose batches are checked on the host (pipelined, or unpipelined
             with host checks): start each step's vote on the next step right after the forward
             and decide it after the step (:meth:`after_step`, which the front end must then call
             on every rank after every training step), so the vote runs while the backward does
             instead of stopping the step. The batches the vote covers are read one step early:
             the next step's batch, or with a pipeline the ones its next ``progress()`` sends.
+            On CUDA it carries the previous step's loss (this step's waits for the forward).
         transformed: the front end changes each batch between the loader and the step (e.g. a
             LightningModule's batch hooks): each step checks the batch it is given (on its
             device), not a host copy (:meth:`hold` keeps none) nor a DataLoader worker's
@@ -103,17 +107,10 @@ class StepRunner:
             raise ValueError(f"batch_checks must be one of {BATCH_CHECKS}, got {batch_checks!r}")
         if transformed and pipeline is not None:
             raise ValueError(f"pipeline={pipeline!r} trains on the loader's batches: use None")
-        # A per-sample limit guards a forward that indexes by position (a position-weighted or
-        # sequence model): past it the forward fails (a device-side assert) before a verdict a
-        # step later, so "auto" checks such a model's batches before their forward.
-        limited = any(spec.max_ids is not None for spec in (specs or {}).values())
-        deferred = batch_checks == "next_step" or (
-            batch_checks == "auto" and device.type == "cuda" and not limited
-        )
+        deferred = judged_next_step(batch_checks, device, specs or {}, model)
         self.model, self.device = model, device
         self.pipeline, self.start_batch, self.asked = pipeline, start_batch, asked
-        self.global_step = global_step
-        self.timeout = timeout
+        self.global_step, self.timeout = global_step, timeout
         self.guard = StepGuard(
             on_nonfinite_loss,
             device,
@@ -269,11 +266,15 @@ class StepRunner:
             output, usable = self.collective(pipeline.run, run, lambda: run(move(host)))
             if not usable:  # unpipelined from now on, with no batch read ahead to vote on
                 self.training, self.vote_ahead = None, False
-        guard.record_loss(output, step)
+        late = self.vote_ahead and self.device.type == "cuda"  # see the vote_ahead argument
+        if not late:
+            guard.record_loss(output, step)
         if self.vote_ahead and self.training is not None:
             self._vote_next_sent(self.training, step, batch_idx, last, stop)
         elif self.vote_ahead and self._peek is not None:
             self._vote_next(step, batch_idx, last, stop)
+        if late:
+            guard.record_loss(output, step)
         return output
 
     def _vote_next_sent(
@@ -289,9 +290,7 @@ class StepRunner:
     def _vote_next(self, step: int, batch_idx: int, last: bool, stop: bool) -> None:
         assert self._peek is not None
         found, upcoming = self._peek.after(batch_idx)
-        error = None
-        if found and not last:
-            error = self.guard.verdict_of(upcoming, step + 1)
+        error = self.guard.verdict_of(upcoming, step + 1) if found and not last else None
         self.collective(self.guard.vote_ahead, error, batch_idx, last or not found, stop)
         self._covered = None if last or not found else batch_idx + 1
 
@@ -358,8 +357,7 @@ class StepRunner:
 
     def after_backward(self) -> None:
         """After the backward of a training step: semi-sync's table update of that batch."""
-        if self.updates_after_backward:  # sparse-dist has nothing to do here
-            assert self.training is not None
+        if isinstance(self.training, SemiSyncPipeline):  # sparse-dist has nothing to do here
             self.collective(self.training.after_backward)
 
     # ------------------------------------------------------------------ stages
