@@ -16,7 +16,8 @@ from lightning_torchrec import DLRMClickModule, TorchRecStrategy
 from lightning_torchrec.distributed import peer_failure
 from lightning_torchrec.errors import NonFiniteLossError, UnevenDataError
 from lightning_torchrec.lightning.preemption import PreemptionCheckpoint
-from lightning_torchrec.training.step_guard import StepGuard, nonfinite_tensors
+from lightning_torchrec.training.finite import loss_to_judge, nonfinite_tensors
+from lightning_torchrec.training.step_guard import StepGuard
 from lightning_torchrec.training.step_runner import StepRunner
 from tests.scripts.factory import cpu_trainer, tiny_data, tiny_dlrm
 from tests.test_distributed import FakeWorld
@@ -206,3 +207,19 @@ def test_every_vote_keeps_its_tensors_until_the_next_vote(monkeypatch: pytest.Mo
     guard.before_eval_step(None, "validation", 0, last=False)
     gc.collect()
     assert seen[1]() is None and seen[2]() is not None
+
+
+def test_a_loss_of_several_numbers_is_judged_by_its_first_non_finite_one_on_its_device() -> None:
+    """On CUDA the pinned copy held the first element only: a NaN elsewhere passed."""
+    for loss, judged in [
+        (torch.tensor([1.0, float("nan"), float("inf")]), "nan"),
+        (torch.tensor([[2.0, 3.0], [float("-inf"), 1.0]]), "-inf"),
+        (torch.tensor([2.0, 3.0]), "2.0"),
+        (torch.tensor(4.0, dtype=torch.bfloat16), "4.0"),
+        (torch.empty(0), "0.0"),
+    ]:
+        picked = loss_to_judge(loss)
+        assert picked.shape == (1,) and picked.dtype == torch.float32
+        assert str(float(picked)) == judged, (loss, picked)
+    on_meta = loss_to_judge(torch.empty(3, device="meta"))  # no host read (item() would raise)
+    assert on_meta.shape == (1,) and on_meta.device.type == "meta"

@@ -45,8 +45,8 @@ from lightning_torchrec.errors import (
     RankFailureError,
     UnsafeCheckpointError,
 )
+from lightning_torchrec.training.finite import nonfinite_tensors
 from lightning_torchrec.training.optim import optimizer_steps
-from lightning_torchrec.training.step_guard import nonfinite_tensors
 
 
 def check_finite(state: Mapping[str, Any], step: int | None = None) -> None:

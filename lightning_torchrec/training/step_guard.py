@@ -10,25 +10,23 @@ every rank (:func:`lightning_torchrec.distributed.agree`).
   ``None`` loss in distributed training, and a zero loss would still move momentum-based
   optimizers.) The vote may run ahead (:meth:`StepGuard.vote_ahead`): started during a step and
   decided after it, it covers the next step's batch while the backward runs.
-* :func:`nonfinite_tensors` finds NaN/inf values in a (sharded) state dict; checkpoints refuse
-  them (``lightning_torchrec.checkpoint``).
+What is finite (a loss of any shape, a state dict) is judged in
+:mod:`~lightning_torchrec.training.finite`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from lightning_torchrec.compat.upstream import ShardedTensor
 from lightning_torchrec.distributed import collective_device, launch_agree, rank_and_world_size
 from lightning_torchrec.errors import BatchValidationError, NonFiniteLossError
 from lightning_torchrec.sharding.features import FeatureSpec
-from lightning_torchrec.sharding.layout import shard_info
 from lightning_torchrec.training.batch_checks import check_batch
 from lightning_torchrec.training.device_checks import DeferredVerdict
+from lightning_torchrec.training.finite import loss_to_judge, nonfinite_loss_error
 from lightning_torchrec.training.uneven_data import check_even
 from lightning_torchrec.training.worker_checks import UNCHECKED, VERDICT_ATTRIBUTE, worker_verdict
 
@@ -256,7 +254,7 @@ class StepGuard:
         if value.is_cuda:  # copied to pinned memory without waiting; read long after, no stall
             if self._host_loss is None:
                 self._host_loss = torch.empty(1, dtype=torch.float32, pin_memory=True)
-            self._host_loss.copy_(value.reshape(-1)[:1], non_blocking=True)
+            self._host_loss.copy_(loss_to_judge(value), non_blocking=True)
             self._copied, value = torch.cuda.Event(), self._host_loss
             self._copied.record()
         self._pending = (step, value)
@@ -333,7 +331,7 @@ class StepGuard:
         if pending is not None and self._copied is not None:
             self._copied.synchronize()
             self._copied = None
-        return _nonfinite_loss_error(pending)
+        return nonfinite_loss_error(pending)
 
     def decide_ahead(self) -> list[int] | None:
         """Decides the vote :meth:`vote_ahead` started, if one is running. Collective.
@@ -356,45 +354,3 @@ class StepGuard:
     def flush(self, ended: int | None = None) -> None:
         """The last step's loss and batch judged at training's end, on every rank (see settle)."""
         self.settle(loss=True, ended=ended)
-
-
-def _nonfinite_loss_error(pending: tuple[int, torch.Tensor] | None) -> NonFiniteLossError | None:
-    if pending is None:  # below: one read of a scalar loss (the usual case), else a reduction
-        return None
-    step, value = pending
-    if math.isfinite(value.item()) if value.numel() == 1 else bool(value.isfinite().all()):
-        return None
-    rank, _ = rank_and_world_size()
-    flat = value.reshape(-1)
-    return NonFiniteLossError(
-        f"non-finite training loss at global step {step} on rank(s) [{rank}] (this rank: "
-        f"{float(flat[~flat.isfinite()][0])}). That step's update was applied, so the in-memory "
-        "weights may be non-finite; checkpoints refuse non-finite values and the last one is "
-        "intact. Check the batch (NaN features, extreme labels/weights) and lower the "
-        "learning rate."
-    )
-
-
-def nonfinite_tensors(state: Mapping[str, Any], prefix: str = "") -> list[str]:
-    """Names of the tensors in a (sharded) state dict holding a NaN or inf, local shards only.
-
-    Args:
-        state: a state dict (nested mappings allowed); ShardedTensor and DTensor values are
-            checked by their local shards.
-        prefix: prepended to the names.
-
-    Returns:
-        The dotted names of the offending tensors.
-    """
-    bad: list[str] = []
-    for key, value in state.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            bad += nonfinite_tensors(value, f"{name}.")
-        elif isinstance(value, torch.Tensor | ShardedTensor):
-            for shard in shard_info(value).shards:
-                t = shard.tensor
-                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                    bad.append(name)
-                    break
-    return bad
