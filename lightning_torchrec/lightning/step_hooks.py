@@ -15,7 +15,11 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
-from lightning_torchrec.compat.lightning import is_last_batch, take_over_sigterm_broadcast
+from lightning_torchrec.compat.lightning import (
+    is_last_batch,
+    move_batch,
+    take_over_sigterm_broadcast,
+)
 from lightning_torchrec.distributed import peer_failure, run_collective
 from lightning_torchrec.errors import PeerFailureError, StopRequested
 from lightning_torchrec.failure_reports import begin_run, post, post_stop
@@ -103,6 +107,7 @@ class StepHooks:
     lightning_module: Any
     optimizers: list[Any]
     collective_timeout: Any
+    root_device: torch.device
     allow_fused_gradient_accumulation: bool
     _plan: Any
     _runner: StepRunner | None
@@ -138,8 +143,10 @@ class StepHooks:
     def all_gather(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
         return self._collective(super().all_gather, tensor, *args, **kwargs)  # type: ignore[misc]
 
-    def _move(self, batch: Any) -> Any:
-        return super().batch_to_device(batch)  # type: ignore[misc]
+    def _move(self, batch: Any, device: Any = None, dataloader_idx: int = 0) -> Any:
+        if self._runner is not None and not self._runner.transformed:  # no batch hook to run
+            return move_batch(batch, torch.device(device or self.root_device))
+        return super().batch_to_device(batch, device, dataloader_idx)  # type: ignore[misc]
 
     @override
     def batch_to_device(self, batch: Any, device: Any = None, dataloader_idx: int = 0) -> Any:
@@ -148,7 +155,7 @@ class StepHooks:
         training = self.lightning_module.trainer.training
         if self._runner is not None and self._runner.hold(batch, training):
             return batch
-        return super().batch_to_device(batch, device, dataloader_idx)
+        return self._move(batch, device, dataloader_idx)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
