@@ -9,14 +9,19 @@ tests/scripts/fabric_one_rank.py loads the 2-rank checkpoint on one rank.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from lightning_torchrec import TorchRecFabricStrategy
+from lightning_torchrec.data import SyntheticClickDataset
 from lightning_torchrec.fabric.strategy import TorchRecFabricStrategy as Direct
-from tests.helpers import assert_same, load_ranks, run_script
+from lightning_torchrec.models.dlrm import dlrm_click_model
+from tests.helpers import assert_same, load_ranks, one_rank_group, run_script  # noqa: F401
+from tests.scripts.factory import table_wise
 
 K = 6
 
@@ -119,3 +124,45 @@ def test_a_rank_still_training_when_another_finishes_raises_uneven_data_everywhe
     last = seen[0][2]
     assert seen[1][2] == last + 1  # rank 0 raised in finish() after its last step, rank 1 before
     assert all("rank(s) [0] have" in s[1] and "rank(s) [1] have more" in s[1] for s in seen)
+
+
+ROWS = [20, 20]
+
+
+def one_rank_fabric(**kwargs: Any) -> tuple[L.Fabric, Any]:
+    """A Fabric of this process's one-rank group and a tiny DLRM with two fused tables."""
+    strategy = TorchRecFabricStrategy(
+        log_plan=False, fused_params={"learning_rate": 0.1}, constraints=table_wise(2), **kwargs
+    )
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(0)
+    sizes = dict(dense_arch_layer_sizes=[4], over_arch_layer_sizes=[4, 1])
+    return fabric, dlrm_click_model(ROWS, embedding_dim=4, **sizes)
+
+
+def train(fabric: L.Fabric, model: Any, optimizers: list[Any], schedulers: list[Any]) -> None:
+    for batch in DataLoader(SyntheticClickDataset(ROWS, 2, 4), batch_size=None):
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        fabric.backward(model(batch)[0])
+        for stepper in (*optimizers, *schedulers):
+            stepper.step()
+
+
+@pytest.mark.usefixtures("one_rank_group")
+@pytest.mark.parametrize("setup", ["setup_optimizers", "setup"])
+def test_only_the_first_of_several_optimizers_drives_the_fused_tables(setup: str) -> None:
+    fabric, unsharded = one_rank_fabric()
+    dense = unsharded.model.dense_arch.parameters(), unsharded.model.over_arch.parameters()
+    plain = [torch.optim.SGD(params, lr=0.1) for params in dense]
+    if setup == "setup":
+        model, a, b = fabric.setup(unsharded, *plain)
+    else:
+        model = fabric.setup_module(unsharded)
+        a, b = fabric.setup_optimizers(*plain)
+    halve, tenth = (torch.optim.lr_scheduler.StepLR(o, 1, gamma=g) for o, g in ((a, 0.5), (b, 0.1)))
+    train(fabric, model, [a, b], [halve, tenth])
+    # The fused learning rate follows a's schedule alone (it was scaled by both: 0.00025).
+    assert [g["lr"] for g in a.param_groups[1:]] == [pytest.approx(0.1 / 4)]  # the kernel's
+    assert [g["lr"] for g in b.param_groups] == [pytest.approx(0.1 / 100)]  # dense only
