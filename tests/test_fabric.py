@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_torchrec import TorchRecFabricStrategy
+from lightning_torchrec import TorchRecFabricStrategy, dense_parameters
 from lightning_torchrec.data import SyntheticClickDataset
 from lightning_torchrec.fabric.strategy import TorchRecFabricStrategy as Direct
 from lightning_torchrec.models.dlrm import dlrm_click_model
@@ -166,3 +166,26 @@ def test_only_the_first_of_several_optimizers_drives_the_fused_tables(setup: str
     # The fused learning rate follows a's schedule alone (it was scaled by both: 0.00025).
     assert [g["lr"] for g in a.param_groups[1:]] == [pytest.approx(0.1 / 4)]  # the kernel's
     assert [g["lr"] for g in b.param_groups] == [pytest.approx(0.1 / 100)]  # dense only
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_an_lr_scheduler_in_the_state_is_saved_and_loaded_by_its_state(tmp_path: Path) -> None:
+    # Fabric saves objects with state_dict()/load_state_dict() by their state and loads them in
+    # place; the scheduler itself (which holds the optimizer) used to be pickled into meta.pt.
+    def run(schedule: bool) -> tuple[L.Fabric, Any, Any, Any]:
+        fabric, unsharded = one_rank_fabric()
+        model = fabric.setup_module(unsharded)
+        optimizer = fabric.setup_optimizers(torch.optim.SGD(dense_parameters(model), lr=0.1))
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
+        train(fabric, model, [optimizer], [scheduler] if schedule else [])
+        return fabric, model, optimizer, scheduler
+
+    fabric, model, optimizer, scheduler = run(schedule=True)  # two steps: lr / 4
+    saved = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "counts": {"a": 1}}
+    fabric.save(tmp_path / "ckpt", saved)
+    fabric, model, optimizer, fresh = run(schedule=False)
+    state = {"model": model, "optimizer": optimizer, "scheduler": fresh, "counts": {}}
+    fabric.load(tmp_path / "ckpt", state)
+    assert state["scheduler"] is fresh and state["counts"] == {"a": 1}
+    assert fresh.state_dict() == scheduler.state_dict()
+    assert [g["lr"] for g in optimizer.param_groups] == [pytest.approx(0.1 / 4)] * 2
