@@ -158,6 +158,24 @@ def test_training_batches_resume_mid_epoch_and_split_the_ranks(generated: UserSe
     assert fingerprints(ranks[0] + ranks[1]) == fingerprints(dealt)
 
 
+@pytest.mark.parametrize(
+    ("argument", "value"),
+    [("batch_size", 0), ("num_negatives", 0), ("eval_batch_size", -1), ("max_length", 0)],
+)
+def test_sizes_that_are_not_positive_are_refused_by_name(
+    tmp_path: Path, generated: UserSequences, argument: str, value: int
+) -> None:
+    # batch_size=0 divided by zero, num_negatives=0 trained on a loss of 0, and a negative
+    # eval_batch_size evaluated no user at all (one padding sample).
+    path = write(tmp_path, "ratings.dat", DAT)
+    with pytest.raises(ValueError, match=f"{argument} must be a positive integer, got {value}"):
+        MovieLensSequenceData(str(path), **{argument: value})
+    with pytest.raises(ValueError, match="num_negatives must be a positive integer"):
+        NextItemTrainDataset(generated, batch_size=8, max_length=4, num_negatives=0)
+    with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+        NextItemEvalDataset(generated, "val", batch_size=-1, max_length=4)
+
+
 def test_evaluation_covers_every_user_once_with_equal_batches_per_rank(
     generated: UserSequences,
 ) -> None:
