@@ -70,11 +70,27 @@ def test_both_layouts_read_to_time_ordered_sequences(tmp_path: Path) -> None:
         assert raw == [[30, 20, 10, 40], [30, 10, 50]]
 
 
+@pytest.mark.parametrize(
+    "header", ["\ufeffuserId,movieId,rating,timestamp", "userId, movieId, rating, timestamp"]
+)
+def test_a_csv_header_with_a_byte_order_mark_or_spaces_reads_as_checked(
+    tmp_path: Path, header: str
+) -> None:
+    # A byte-order mark (Excel's "CSV UTF-8") was refused as another header; spaces after the
+    # commas passed the header check, then failed with a bare KeyError of pyarrow's schema.
+    lines = [line.split("::") for line in DAT.splitlines()]
+    text = header + "\n" + "\n".join(",".join(x) for x in lines) + "\n"
+    seqs = read_ratings(write(tmp_path, "ratings.csv", text))
+    assert seqs.user_ids.tolist() == [1, 2] and seqs.item_ids.tolist() == [10, 20, 30, 40, 50]
+
+
 def test_other_layouts_and_bad_columns_are_refused_naming_the_file(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"bad\.csv.*expected a ratings\.csv header"):
         read_ratings(write(tmp_path, "bad.csv", "user,item,rating,time\n1,2,3,4\n"))
     with pytest.raises(ValueError, match=r"float\.dat: the user column holds double"):
         read_ratings(write(tmp_path, "float.dat", "1.5::2::3::4\n"))
+    with pytest.raises(ValueError, match=r"short\.csv: CSV parse error: Expected 4 columns"):
+        read_ratings(write(tmp_path, "short.csv", "userId,movieId,rating,timestamp\n1,2,3\n"))
     with pytest.raises(ValueError, match=r"few\.dat: no user has 3 interactions"):
         read_ratings(write(tmp_path, "few.dat", "1::2::3::4\n"))
     (tmp_path / "empty").mkdir()
