@@ -14,9 +14,10 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from lightning.fabric.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
-from lightning_torchrec import TorchRecFabricStrategy, dense_parameters
+from lightning_torchrec import PeerFailureError, TorchRecFabricStrategy, dense_parameters
 from lightning_torchrec.data import SyntheticClickDataset
 from lightning_torchrec.fabric.strategy import TorchRecFabricStrategy as Direct
 from lightning_torchrec.models.dlrm import dlrm_click_model
@@ -189,3 +190,20 @@ def test_an_lr_scheduler_in_the_state_is_saved_and_loaded_by_its_state(tmp_path:
     assert state["scheduler"] is fresh and state["counts"] == {"a": 1}
     assert fresh.state_dict() == scheduler.state_dict()
     assert [g["lr"] for g in optimizer.param_groups] == [pytest.approx(0.1 / 4)] * 2
+
+
+@pytest.mark.parametrize(
+    ("name", "args"),
+    [("barrier", ()), ("broadcast", ("ckpt",)), ("all_reduce", (torch.ones(1),))]
+    + [("all_gather", (torch.ones(1),))],
+)
+def test_the_loops_collectives_name_a_dead_peer(
+    monkeypatch: pytest.MonkeyPatch, name: str, args: tuple
+) -> None:
+    # fabric.barrier() & co. raised gloo's bare "Connection closed by peer" RuntimeError.
+    def dead_peer(*_: Any, **__: Any) -> None:
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [::1]:1")
+
+    monkeypatch.setattr(DDPStrategy, name, dead_peer)
+    with pytest.raises(PeerFailureError, match="another rank probably died"):
+        getattr(TorchRecFabricStrategy(), name)(*args)

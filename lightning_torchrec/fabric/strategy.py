@@ -29,13 +29,14 @@ from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from typing_extensions import override
 
 from lightning_torchrec.compat.worker_fork import fork_safely
-from lightning_torchrec.distributed import init_elastic_group, run_collective, shutdown_at_exit
+from lightning_torchrec.distributed import init_elastic_group, shutdown_at_exit
 from lightning_torchrec.fabric.checkpointing import FabricCheckpointing
 from lightning_torchrec.fabric.checks import (
     adopted_optimizers,
     check_fabric_precision,
     combine_fabric_optimizer,
 )
+from lightning_torchrec.fabric.collectives import FabricCollectives
 from lightning_torchrec.sharding.plan_summary import PlanSummary
 from lightning_torchrec.sharding.planning import ShardingConfig, shard_model
 from lightning_torchrec.sharding.sharders import has_fused_tables
@@ -48,7 +49,7 @@ from lightning_torchrec.training.step_runner import BATCH_CHECKS, StepRunner
 MIXED_DEVICES_WARNING = r"The model passed to `Fabric.setup\(\)` has \d+ parameters on different"
 
 
-class TorchRecFabricStrategy(FabricCheckpointing, DDPStrategy):
+class TorchRecFabricStrategy(FabricCheckpointing, FabricCollectives, DDPStrategy):
     """Fabric training of a TorchRec model with sharded tables, in the user's own loop.
 
     ``L.Fabric(strategy="torchrec", accelerator=..., devices=..., num_nodes=...)`` selects it
@@ -209,7 +210,8 @@ class TorchRecFabricStrategy(FabricCheckpointing, DDPStrategy):
                 configuration error of ``shard_model`` (on every rank).
         """
         check_fabric_precision(self.precision, fused_tables=False)
-        sharded = shard_model(
+        sharded = self._collective(  # planning and DMP's collectives: a dead peer is named
+            shard_model,
             module,
             self.root_device,
             local_world_size=self.num_processes,
@@ -348,9 +350,6 @@ class TorchRecFabricStrategy(FabricCheckpointing, DDPStrategy):
         if self._runner is None:
             raise RuntimeError("call `fabric.setup_module(model)` (or `fabric.setup`) first")
         return self._runner
-
-    def _collective(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        return run_collective(fn, *args, timeout=self.collective_timeout, **kwargs)
 
     def _push_fused_lr(self) -> None:
         for optimizer in self._optimizers:
