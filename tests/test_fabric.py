@@ -9,14 +9,20 @@ tests/scripts/fabric_one_rank.py loads the 2-rank checkpoint on one rank.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
 import torch
+from lightning.fabric.strategies import DDPStrategy
+from torch.utils.data import DataLoader
 
-from lightning_torchrec import TorchRecFabricStrategy
+from lightning_torchrec import PeerFailureError, TorchRecFabricStrategy, dense_parameters
+from lightning_torchrec.data import SyntheticClickDataset
 from lightning_torchrec.fabric.strategy import TorchRecFabricStrategy as Direct
-from tests.helpers import assert_same, load_ranks, run_script
+from lightning_torchrec.models.dlrm import dlrm_click_model
+from tests.helpers import assert_same, load_ranks, one_rank_group, run_script  # noqa: F401
+from tests.scripts.factory import table_wise
 
 K = 6
 
@@ -119,3 +125,85 @@ def test_a_rank_still_training_when_another_finishes_raises_uneven_data_everywhe
     last = seen[0][2]
     assert seen[1][2] == last + 1  # rank 0 raised in finish() after its last step, rank 1 before
     assert all("rank(s) [0] have" in s[1] and "rank(s) [1] have more" in s[1] for s in seen)
+
+
+ROWS = [20, 20]
+
+
+def one_rank_fabric(**kwargs: Any) -> tuple[L.Fabric, Any]:
+    """A Fabric of this process's one-rank group and a tiny DLRM with two fused tables."""
+    strategy = TorchRecFabricStrategy(
+        log_plan=False, fused_params={"learning_rate": 0.1}, constraints=table_wise(2), **kwargs
+    )
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(0)
+    sizes = dict(dense_arch_layer_sizes=[4], over_arch_layer_sizes=[4, 1])
+    return fabric, dlrm_click_model(ROWS, embedding_dim=4, **sizes)
+
+
+def train(fabric: L.Fabric, model: Any, optimizers: list[Any], schedulers: list[Any]) -> None:
+    for batch in DataLoader(SyntheticClickDataset(ROWS, 2, 4), batch_size=None):
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        fabric.backward(model(batch)[0])
+        for stepper in (*optimizers, *schedulers):
+            stepper.step()
+
+
+@pytest.mark.usefixtures("one_rank_group")
+@pytest.mark.parametrize("setup", ["setup_optimizers", "setup"])
+def test_only_the_first_of_several_optimizers_drives_the_fused_tables(setup: str) -> None:
+    fabric, unsharded = one_rank_fabric()
+    dense = unsharded.model.dense_arch.parameters(), unsharded.model.over_arch.parameters()
+    plain = [torch.optim.SGD(params, lr=0.1) for params in dense]
+    if setup == "setup":
+        model, a, b = fabric.setup(unsharded, *plain)
+    else:
+        model = fabric.setup_module(unsharded)
+        a, b = fabric.setup_optimizers(*plain)
+    halve, tenth = (torch.optim.lr_scheduler.StepLR(o, 1, gamma=g) for o, g in ((a, 0.5), (b, 0.1)))
+    train(fabric, model, [a, b], [halve, tenth])
+    # The fused learning rate follows a's schedule alone (it was scaled by both: 0.00025).
+    assert [g["lr"] for g in a.param_groups[1:]] == [pytest.approx(0.1 / 4)]  # the kernel's
+    assert [g["lr"] for g in b.param_groups] == [pytest.approx(0.1 / 100)]  # dense only
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_an_lr_scheduler_in_the_state_is_saved_and_loaded_by_its_state(tmp_path: Path) -> None:
+    # Fabric saves objects with state_dict()/load_state_dict() by their state and loads them in
+    # place; the scheduler itself (which holds the optimizer) used to be pickled into meta.pt.
+    def run(schedule: bool) -> tuple[L.Fabric, Any, Any, Any]:
+        fabric, unsharded = one_rank_fabric()
+        model = fabric.setup_module(unsharded)
+        optimizer = fabric.setup_optimizers(torch.optim.SGD(dense_parameters(model), lr=0.1))
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
+        train(fabric, model, [optimizer], [scheduler] if schedule else [])
+        return fabric, model, optimizer, scheduler
+
+    fabric, model, optimizer, scheduler = run(schedule=True)  # two steps: lr / 4
+    saved = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "counts": {"a": 1}}
+    fabric.save(tmp_path / "ckpt", saved)
+    fabric, model, optimizer, fresh = run(schedule=False)
+    state = {"model": model, "optimizer": optimizer, "scheduler": fresh, "counts": {}}
+    fabric.load(tmp_path / "ckpt", state)
+    assert state["scheduler"] is fresh and state["counts"] == {"a": 1}
+    assert fresh.state_dict() == scheduler.state_dict()
+    assert [g["lr"] for g in optimizer.param_groups] == [pytest.approx(0.1 / 4)] * 2
+
+
+@pytest.mark.parametrize(
+    ("name", "args"),
+    [("barrier", ()), ("broadcast", ("ckpt",)), ("all_reduce", (torch.ones(1),))]
+    + [("all_gather", (torch.ones(1),))],
+)
+def test_the_loops_collectives_name_a_dead_peer(
+    monkeypatch: pytest.MonkeyPatch, name: str, args: tuple
+) -> None:
+    # fabric.barrier() & co. raised gloo's bare "Connection closed by peer" RuntimeError.
+    def dead_peer(*_: Any, **__: Any) -> None:
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [::1]:1")
+
+    monkeypatch.setattr(DDPStrategy, name, dead_peer)
+    with pytest.raises(PeerFailureError, match="another rank probably died"):
+        getattr(TorchRecFabricStrategy(), name)(*args)

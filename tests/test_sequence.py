@@ -70,11 +70,27 @@ def test_both_layouts_read_to_time_ordered_sequences(tmp_path: Path) -> None:
         assert raw == [[30, 20, 10, 40], [30, 10, 50]]
 
 
+@pytest.mark.parametrize(
+    "header", ["\ufeffuserId,movieId,rating,timestamp", "userId, movieId, rating, timestamp"]
+)
+def test_a_csv_header_with_a_byte_order_mark_or_spaces_reads_as_checked(
+    tmp_path: Path, header: str
+) -> None:
+    # A byte-order mark (Excel's "CSV UTF-8") was refused as another header; spaces after the
+    # commas passed the header check, then failed with a bare KeyError of pyarrow's schema.
+    lines = [line.split("::") for line in DAT.splitlines()]
+    text = header + "\n" + "\n".join(",".join(x) for x in lines) + "\n"
+    seqs = read_ratings(write(tmp_path, "ratings.csv", text))
+    assert seqs.user_ids.tolist() == [1, 2] and seqs.item_ids.tolist() == [10, 20, 30, 40, 50]
+
+
 def test_other_layouts_and_bad_columns_are_refused_naming_the_file(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"bad\.csv.*expected a ratings\.csv header"):
         read_ratings(write(tmp_path, "bad.csv", "user,item,rating,time\n1,2,3,4\n"))
     with pytest.raises(ValueError, match=r"float\.dat: the user column holds double"):
         read_ratings(write(tmp_path, "float.dat", "1.5::2::3::4\n"))
+    with pytest.raises(ValueError, match=r"short\.csv: CSV parse error: Expected 4 columns"):
+        read_ratings(write(tmp_path, "short.csv", "userId,movieId,rating,timestamp\n1,2,3\n"))
     with pytest.raises(ValueError, match=r"few\.dat: no user has 3 interactions"):
         read_ratings(write(tmp_path, "few.dat", "1::2::3::4\n"))
     (tmp_path / "empty").mkdir()
@@ -156,6 +172,24 @@ def test_training_batches_resume_mid_epoch_and_split_the_ranks(generated: UserSe
     assert len(ranks[0]) == len(ranks[1]) == 100 // 8 // 2
     dealt = [full[i] for i in (*range(0, 12, 2), *range(1, 12, 2))]
     assert fingerprints(ranks[0] + ranks[1]) == fingerprints(dealt)
+
+
+@pytest.mark.parametrize(
+    ("argument", "value"),
+    [("batch_size", 0), ("num_negatives", 0), ("eval_batch_size", -1), ("max_length", 0)],
+)
+def test_sizes_that_are_not_positive_are_refused_by_name(
+    tmp_path: Path, generated: UserSequences, argument: str, value: int
+) -> None:
+    # batch_size=0 divided by zero, num_negatives=0 trained on a loss of 0, and a negative
+    # eval_batch_size evaluated no user at all (one padding sample).
+    path = write(tmp_path, "ratings.dat", DAT)
+    with pytest.raises(ValueError, match=f"{argument} must be a positive integer, got {value}"):
+        MovieLensSequenceData(str(path), **{argument: value})
+    with pytest.raises(ValueError, match="num_negatives must be a positive integer"):
+        NextItemTrainDataset(generated, batch_size=8, max_length=4, num_negatives=0)
+    with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+        NextItemEvalDataset(generated, "val", batch_size=-1, max_length=4)
 
 
 def test_evaluation_covers_every_user_once_with_equal_batches_per_rank(

@@ -77,13 +77,21 @@ class UserSequences:
         return self.items[self.offsets[user] : self.offsets[user + 1]]
 
 
+def _read_csv(path: Path, **options: object) -> pa.Table:
+    """``pyarrow.csv.read_csv``; a line it cannot parse is a ``ValueError`` naming the file."""
+    try:
+        return pacsv.read_csv(path, **options)
+    except pa.ArrowInvalid as e:  # e.g. "CSV parse error: Expected 4 columns, got 3: 1,5,4"
+        raise ValueError(f"{path}: {e}") from e
+
+
 def _read_table(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The (user, item, timestamp) columns of a ratings file in either layout."""
-    with path.open("rb") as f:
-        first = f.readline().decode("utf-8", errors="replace").strip()
+    with path.open("rb") as f:  # "utf-8-sig": a byte-order mark (as Excel writes) is no text
+        first = f.readline().decode("utf-8-sig", errors="replace").strip()
     if "::" in first:
         # ``a::b::c::d`` split at every ``:`` gives empty columns between the fields.
-        table = pacsv.read_csv(
+        table = _read_csv(
             path,
             read_options=pacsv.ReadOptions(autogenerate_column_names=True),
             parse_options=pacsv.ParseOptions(delimiter=":"),
@@ -101,7 +109,9 @@ def _read_table(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
                 f"{path}: expected a ratings.csv header {','.join(CSV_HEADER)} or ratings.dat "
                 f"lines user::item::rating::timestamp, found {first!r}"
             )
-        table = pacsv.read_csv(path)
+        # Named as checked: the file's own names may carry spaces (``userId, movieId``).
+        names = pacsv.ReadOptions(skip_rows=1, column_names=list(CSV_HEADER))
+        table = _read_csv(path, read_options=names)
         columns = [table.column(name) for name in ("userId", "movieId", "timestamp")]
     out = []
     for name, column in zip(("user", "item", "timestamp"), columns, strict=True):

@@ -73,12 +73,27 @@ def leave_last_out(sequences: UserSequences, split: str) -> tuple[np.ndarray, np
     return starts[keep], targets[keep]
 
 
+def check_positive(**values: Any) -> None:
+    """Refuses a size argument that is not a positive integer, naming it.
+
+    Args:
+        **values: the arguments by name, e.g. ``batch_size=128``.
+
+    Raises:
+        ValueError: for a value that is not an ``int`` of at least 1 (``batch_size=0`` divided by
+            zero, ``num_negatives=0`` gave a loss of 0 that trains nothing, and a negative
+            ``eval_batch_size`` an evaluation of no user at all).
+    """
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
 class _Samples:
     """Histories and targets of one split, truncated to ``max_length``, as batches."""
 
     def __init__(self, sequences: UserSequences, split: str, max_length: int) -> None:
-        if max_length < 1:
-            raise ValueError(f"max_length must be positive, got {max_length}")
+        check_positive(max_length=max_length)
         self.items = sequences.items
         self.num_items = sequences.num_items
         starts, self.targets = leave_last_out(sequences, split)
@@ -107,7 +122,8 @@ class NextItemTrainDataset(ResumableIterableDataset):
         world_size: ranks.
 
     Raises:
-        ValueError: if the split has too few samples for one batch per rank.
+        ValueError: if ``batch_size``, ``max_length`` or ``num_negatives`` is not a positive
+            integer, or the split has too few samples for one batch per rank.
     """
 
     #: The epoch the next iteration serves (the data module sets it from the trainer).
@@ -123,6 +139,7 @@ class NextItemTrainDataset(ResumableIterableDataset):
         rank: int = 0,
         world_size: int = 1,
     ) -> None:
+        check_positive(batch_size=batch_size, num_negatives=num_negatives)
         self.samples = _Samples(sequences, "train", max_length)
         self.batch_size = batch_size
         self.num_negatives = num_negatives
@@ -161,6 +178,9 @@ class NextItemEvalDataset(IterableDataset):
         max_length: longest history.
         rank: this rank.
         world_size: ranks.
+
+    Raises:
+        ValueError: if ``batch_size`` or ``max_length`` is not a positive integer.
     """
 
     def __init__(
@@ -172,6 +192,7 @@ class NextItemEvalDataset(IterableDataset):
         rank: int = 0,
         world_size: int = 1,
     ) -> None:
+        check_positive(batch_size=batch_size)
         self.samples = _Samples(sequences, split, max_length)
         self.batch_size = batch_size
         self.rank = rank
@@ -235,7 +256,9 @@ class MovieLensSequenceData(ResumableDataModule):
 
     Raises:
         FileNotFoundError: if there is no ratings file at ``path``.
-        ValueError: for a file of another layout, or ``min_interactions < 3``.
+        ValueError: for a file of another layout, ``min_interactions < 3``, or a size
+            (``max_length``, ``batch_size``, ``eval_batch_size``, ``num_negatives``) that is not
+            a positive integer.
     """
 
     def __init__(
@@ -252,12 +275,16 @@ class MovieLensSequenceData(ResumableDataModule):
         super().__init__()
         if min_interactions < 3:
             raise ValueError(f"leave-last-out needs min_interactions >= 3, got {min_interactions}")
+        sizes = dict(max_length=max_length, batch_size=batch_size, num_negatives=num_negatives)
+        check_positive(
+            **sizes, **({} if eval_batch_size is None else {"eval_batch_size": eval_batch_size})
+        )
         self.path = _ratings_file(Path(path))
         self.sequences = read_ratings(self.path, min_interactions)
         self.num_items = self.sequences.num_items
         self.max_length = max_length
         self.batch_size = batch_size
-        self.eval_batch_size = eval_batch_size or batch_size
+        self.eval_batch_size = batch_size if eval_batch_size is None else eval_batch_size
         self.num_negatives = num_negatives
         self.seed = seed
         self.num_workers = num_workers

@@ -2,8 +2,9 @@
 
 Fabric hands the strategy a dict of modules, optimizers and plain values. The (one) sharded
 module and the optimizers go to :func:`lightning_torchrec.checkpoint.save_sharded` exactly as the
-Trainer glue passes its LightningModule and optimizers, and the plain values become the
-checkpoint's metadata (``meta.pt``), so the directory is the same format with the same
+Trainer glue passes its LightningModule and optimizers, and the plain values (the
+``state_dict()`` of an object that has one, such as an LR scheduler) become the checkpoint's
+metadata (``meta.pt``), so the directory is the same format with the same
 guarantees (atomic, verified, loaded without running code, resharded to another plan or world
 size). A checkpoint written here resumes under the Trainer's ``TorchRecStrategy`` when the
 module's parameter names match the LightningModule's, and the other way round.
@@ -18,6 +19,7 @@ from typing import Any
 from lightning.fabric import __version__ as lightning_version
 from torch import nn
 from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
 from torchrec.optim.keyed import KeyedOptimizer
 from typing_extensions import override
 
@@ -31,6 +33,45 @@ TRAINER_ENTRIES: dict[str, Any] = {
     "lr_schedulers": [],
     "pytorch-lightning_version": lightning_version,
 }
+
+
+def is_stateful(value: Any) -> bool:
+    """Whether Fabric saves ``value`` as its ``state_dict()`` (an LR scheduler, a sampler, ...).
+
+    Fabric's own strategies save any object with ``state_dict()`` and ``load_state_dict()`` by
+    its state and load it back in place; this strategy does the same.
+
+    Args:
+        value: a plain (non-module, non-optimizer) entry of Fabric's state.
+
+    Returns:
+        True for such an object (not a class).
+    """
+    return (
+        not isinstance(value, type)
+        and callable(getattr(value, "state_dict", None))
+        and callable(getattr(value, "load_state_dict", None))
+    )
+
+
+def load_stateful(obj: Any, saved: Any, optimizers: list[KeyedOptimizer]) -> None:
+    """Loads an object's saved state in place; an LR scheduler's matched to this rank's groups.
+
+    ``meta.pt`` holds rank 0's ``state_dict()``. A scheduler of the combined optimizer lists one
+    value per param group, and another rank may drive another number of fused kernels: its
+    lists are matched to this rank's groups as the Trainer does for ``lr_schedulers``.
+
+    Args:
+        obj: the object in Fabric's state (e.g. an LR scheduler).
+        saved: its state from the checkpoint.
+        optimizers: the keyed optimizers loaded with it.
+    """
+    scheduled = getattr(obj, "optimizer", None)
+    if isinstance(obj, LRScheduler) and isinstance(saved, dict) and scheduled is not None:
+        keyed = keyed_optimizer(scheduled) if isinstance(scheduled, Optimizer) else None
+        if any(keyed is o for o in optimizers):
+            saved = scheduler_state(saved, keyed, obj.state_dict())
+    obj.load_state_dict(saved)
 
 
 def split_state(
@@ -85,7 +126,9 @@ class FabricCheckpointing:
 
         Args:
             path: the checkpoint directory (rank 0's path is used by every rank).
-            state: the model (the set-up one), optimizers and plain values to save.
+            state: the model (the set-up one), optimizers and plain values to save; an object
+                with ``state_dict()`` and ``load_state_dict()`` (an LR scheduler) is saved as
+                its ``state_dict()``, as Fabric's own strategies do.
             storage_options: not supported.
             filter: not supported.
 
@@ -101,11 +144,12 @@ class FabricCheckpointing:
             self._runner.settle()
         target = Path(self._collective(self.broadcast, str(path)))
         module, optimizers, plain = split_state(state, self._dmp)
+        values = {k: v.state_dict() if is_stateful(v) else v for k, v in plain.items()}
         save_sharded(
             target,
             module,
             optimizers,
-            {**TRAINER_ENTRIES, **plain},
+            {**TRAINER_ENTRIES, **values},
             check_finite_values=self.check_finite_checkpoints,
         )
 
@@ -122,7 +166,8 @@ class FabricCheckpointing:
         Args:
             path: a checkpoint directory written by this strategy or ``TorchRecStrategy``.
             state: the set-up module, or ``{name: module | optimizer | value}``; plain values
-                are replaced by the checkpoint's (in place).
+                are replaced by the checkpoint's (in place), objects with ``load_state_dict()``
+                (an LR scheduler) load theirs.
             strict: raise when a plain value of ``state`` is not in the checkpoint.
             weights_only: read the metadata with ``torch.load(weights_only=...)`` (default
                 True; tensors are always read without running code).
@@ -162,7 +207,9 @@ class FabricCheckpointing:
         missing = [k for k in plain if k not in meta]
         if strict and missing:
             raise KeyError(f"the checkpoint {target} holds no {missing}")
-        for key in plain:
-            if key in meta:
+        for key, value in plain.items():
+            if key in meta and is_stateful(value):  # e.g. an LR scheduler, loaded in place
+                load_stateful(value, meta.pop(key), optimizers)
+            elif key in meta:
                 state[key] = meta.pop(key)
         return meta

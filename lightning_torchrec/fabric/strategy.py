@@ -29,14 +29,19 @@ from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from typing_extensions import override
 
 from lightning_torchrec.compat.worker_fork import fork_safely
-from lightning_torchrec.distributed import init_elastic_group, run_collective, shutdown_at_exit
+from lightning_torchrec.distributed import init_elastic_group, shutdown_at_exit
 from lightning_torchrec.fabric.checkpointing import FabricCheckpointing
-from lightning_torchrec.fabric.checks import adopt_sharded_parameters, check_fabric_precision
+from lightning_torchrec.fabric.checks import (
+    adopted_optimizers,
+    check_fabric_precision,
+    combine_fabric_optimizer,
+)
+from lightning_torchrec.fabric.collectives import FabricCollectives
 from lightning_torchrec.sharding.plan_summary import PlanSummary
 from lightning_torchrec.sharding.planning import ShardingConfig, shard_model
 from lightning_torchrec.sharding.sharders import has_fused_tables
 from lightning_torchrec.sharding.tables import unwrap
-from lightning_torchrec.training.optim import DenseAndFusedOptimizer, combine_with_schedulers
+from lightning_torchrec.training.optim import DenseAndFusedOptimizer
 from lightning_torchrec.training.step_guard import StepGuard
 from lightning_torchrec.training.step_runner import BATCH_CHECKS, StepRunner
 
@@ -44,7 +49,7 @@ from lightning_torchrec.training.step_runner import BATCH_CHECKS, StepRunner
 MIXED_DEVICES_WARNING = r"The model passed to `Fabric.setup\(\)` has \d+ parameters on different"
 
 
-class TorchRecFabricStrategy(FabricCheckpointing, DDPStrategy):
+class TorchRecFabricStrategy(FabricCheckpointing, FabricCollectives, DDPStrategy):
     """Fabric training of a TorchRec model with sharded tables, in the user's own loop.
 
     ``L.Fabric(strategy="torchrec", accelerator=..., devices=..., num_nodes=...)`` selects it
@@ -205,7 +210,8 @@ class TorchRecFabricStrategy(FabricCheckpointing, DDPStrategy):
                 configuration error of ``shard_model`` (on every rank).
         """
         check_fabric_precision(self.precision, fused_tables=False)
-        sharded = shard_model(
+        sharded = self._collective(  # planning and DMP's collectives: a dead peer is named
+            shard_model,
             module,
             self.root_device,
             local_world_size=self.num_processes,
@@ -246,7 +252,9 @@ class TorchRecFabricStrategy(FabricCheckpointing, DDPStrategy):
 
         Returns:
             A ``DenseAndFusedOptimizer``: ``step()``, ``zero_grad()``, ``param_groups`` (for LR
-            schedulers) and ``state_dict()`` cover both.
+            schedulers) and ``state_dict()`` cover both. With several optimizers
+            (``setup_optimizers(a, b)``) the first drives the fused tables and the others are
+            dense-only (:func:`~lightning_torchrec.fabric.checks.combine_fabric_optimizer`).
 
         Raises:
             RuntimeError: before ``setup_module``.
@@ -257,8 +265,7 @@ class TorchRecFabricStrategy(FabricCheckpointing, DDPStrategy):
                 "TorchRecFabricStrategy shards the model first: call `fabric.setup_module(model)` "
                 "before `fabric.setup_optimizers(optimizer)` (or use `fabric.setup(model, opt)`)."
             )
-        combined = combine_with_schedulers(optimizer, unwrap(self._dmp), [])
-        assert isinstance(combined, DenseAndFusedOptimizer)
+        combined = combine_fabric_optimizer(optimizer, unwrap(self._dmp), not self._optimizers)
         if all(combined is not o for o in self._optimizers):
             self._optimizers.append(combined)
         return combined
@@ -280,12 +287,7 @@ class TorchRecFabricStrategy(FabricCheckpointing, DDPStrategy):
             The DMP, the combined optimizers and the scheduler.
         """
         dmp = self.setup_module(module)
-        for optimizer in optimizers:  # built on the unsharded model: its tables are gone now
-            adopt_sharded_parameters(optimizer, dmp)
-        combined = [
-            combine_with_schedulers(o, unwrap(dmp), [scheduler] if scheduler else [])
-            for o in optimizers
-        ]
+        combined = adopted_optimizers(optimizers, dmp, not self._optimizers, scheduler)
         return dmp, [self.setup_optimizer(o) for o in combined], scheduler
 
     @override
@@ -348,9 +350,6 @@ class TorchRecFabricStrategy(FabricCheckpointing, DDPStrategy):
         if self._runner is None:
             raise RuntimeError("call `fabric.setup_module(model)` (or `fabric.setup`) first")
         return self._runner
-
-    def _collective(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        return run_collective(fn, *args, timeout=self.collective_timeout, **kwargs)
 
     def _push_fused_lr(self) -> None:
         for optimizer in self._optimizers:
