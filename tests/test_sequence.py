@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import numpy as np
@@ -18,6 +19,7 @@ from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_torchrec import TorchRecStrategy
+from lightning_torchrec.data import resumable
 from lightning_torchrec.data.movielens import (
     UserSequences,
     best_achievable,
@@ -414,3 +416,30 @@ def test_eval_loss_weighs_batches_by_their_positions_and_ignores_weight_zero() -
     metric.update(torch.tensor(float("nan")), torch.tensor(0.0))  # padding only: nothing
     metric.update(torch.tensor(1.0), torch.tensor(1.0))
     assert float(metric.compute()) == pytest.approx(7 / 4)
+
+
+def test_without_a_trainer_the_process_group_splits_the_data_and_each_pass_is_an_epoch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a Fabric loop every rank read every batch, and every epoch in the same order."""
+    path = tmp_path / "ratings.dat"
+    write_cycle_ratings(path, num_users=100, num_items=30, min_length=5, max_length=12)
+    loaders = []
+    for rank in (0, 1):
+        group = SimpleNamespace(
+            is_available=lambda: True,
+            is_initialized=lambda: True,
+            get_rank=lambda rank=rank: rank,
+            get_world_size=lambda: 2,
+        )
+        monkeypatch.setattr(resumable, "dist", group)
+        data = MovieLensSequenceData(str(path), batch_size=8, max_length=4)
+        assert data.rank_and_world() == (rank, 2)
+        loaders.append(data.train_dataloader())
+    first = [fingerprints(list(loader)) for loader in loaders]
+    assert len(first[0]) == len(first[1]) == 100 // 8 // 2  # each rank its half
+    assert not set(first[0]) & set(first[1])
+    second = fingerprints(list(loaders[0]))
+    assert second != first[0] and sorted(second) != sorted(first[0])  # epoch 1: reshuffled
+    monkeypatch.setattr(resumable, "dist", SimpleNamespace(is_available=lambda: False))
+    assert MovieLensSequenceData(str(path)).rank_and_world() == (0, 1)

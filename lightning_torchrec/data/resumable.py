@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -271,13 +272,20 @@ class ResumableDataModule(LightningDataModule):
         raise NotImplementedError
 
     def rank_and_world(self) -> tuple[int, int]:
-        """This rank and the world size (``(0, 1)`` before a Trainer is attached).
+        """This rank and the world size: the Trainer's, else the default process group's.
+
+        Without a Trainer (a Fabric loop, a loop of one's own after ``init_process_group``) the
+        process group's rank and size split the data; ``(0, 1)`` without either.
 
         Returns:
             ``(rank, world_size)``.
         """
         trainer = self.trainer
-        return (0, 1) if trainer is None else (trainer.global_rank, trainer.world_size)
+        if trainer is not None:
+            return trainer.global_rank, trainer.world_size
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
 
     def train_dataloader(self) -> ResumableDataLoader:
         """Training batches; the position within the epoch is saved in checkpoints."""

@@ -218,14 +218,24 @@ class NextItemEvalDataset(IterableDataset):
 
 
 class _EpochLoader(ResumableDataLoader):
-    """A :class:`ResumableDataLoader` that tells its dataset which epoch it serves."""
+    """A :class:`ResumableDataLoader` that tells its dataset which epoch it serves.
 
-    def __init__(self, dataset: NextItemTrainDataset, epoch: Callable[[], int], **kwargs: Any):
+    ``epoch`` returns the Trainer's epoch, or None without a Trainer: then each pass over the
+    loader is the next epoch, the first one 0 (a Fabric loop's ``for epoch ...: for batch in
+    loader``).
+    """
+
+    def __init__(
+        self, dataset: NextItemTrainDataset, epoch: Callable[[], int | None], **kwargs: Any
+    ) -> None:
         super().__init__(dataset, **kwargs)
         self.epoch = epoch
+        self.passes = 0
 
     def __iter__(self) -> Iterator[Any]:
-        self.dataset.epoch = self.epoch()
+        epoch = self.epoch()
+        self.dataset.epoch = self.passes if epoch is None else epoch
+        self.passes += 1
         yield from super().__iter__()
 
 
@@ -318,7 +328,7 @@ class MovieLensSequenceData(ResumableDataModule):
         """Training batches; the position within the epoch is saved in checkpoints."""
         return _EpochLoader(
             self.dataset("train"),  # type: ignore[arg-type]
-            epoch=lambda: 0 if self.trainer is None else self.trainer.current_epoch,
+            epoch=lambda: None if self.trainer is None else self.trainer.current_epoch,
             position=lambda: resume_position(self.trainer),
             num_workers=self.num_workers,
         )
