@@ -32,7 +32,14 @@ from lightning_torchrec.checkpoint.manifest import MANIFEST_FILE, file_checksum
 from lightning_torchrec.checkpoint.outputs import OwnedTemp
 from lightning_torchrec.errors import CheckpointMismatchError
 from lightning_torchrec.training.optim import optimizer_steps, set_optimizer_steps
-from tests.scripts.factory import adam, cpu_trainer, table_wise, tiny_data, tiny_dlrm
+from tests.scripts.factory import (
+    adam,
+    cpu_trainer,
+    sharding_constraints,
+    table_wise,
+    tiny_data,
+    tiny_dlrm,
+)
 from tests.scripts.hostile import restamp
 
 ROWS = 60
@@ -295,6 +302,28 @@ def test_a_dense_parameter_without_gradients_resumes_without_optimizer_state(
     assert (
         plain_state_of(resumed.optimizers[0]).keys() == plain_state_of(whole.optimizers[0]).keys()
     )
+
+
+def test_optimizer_state_saved_under_other_names_is_refused_not_dropped(
+    fitted, tmp_path: Path
+) -> None:
+    # Saved with a dense Adam and fused tables. A dense SGD with momentum finds no
+    # momentum_buffer, and a table planned data-parallel now finds its state in the fused part:
+    # both were stepped, so their state is missing, not absent (unlike a never-stepped head).
+    ckpt, _ = fitted
+    sgd = tiny_dlrm(
+        ROWS, embedding_dim=4, optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)
+    )
+    with pytest.raises(CheckpointMismatchError, match="momentum_buffer") as err:
+        trainer(tmp_path, max_steps=4).fit(sgd, datamodule=data(), ckpt_path=ckpt)
+    assert "load_optimizer_states=False" in str(err.value)
+    replicated = TorchRecStrategy(
+        constraints=sharding_constraints({"t_cat_0": "data_parallel", "t_cat_1": "table_wise"}),
+        log_plan=False,
+    )
+    t = cpu_trainer(replicated, max_steps=4, limit_val_batches=0, default_root_dir=tmp_path)
+    with pytest.raises(CheckpointMismatchError, match=r"missing .*tables \['t_cat_0'\]"):
+        t.fit(dlrm(), datamodule=data(), ckpt_path=ckpt)
 
 
 class BuildRecorder(DLRMClickModule):
