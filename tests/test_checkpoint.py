@@ -356,6 +356,22 @@ def test_hyper_parameters_of_a_stranger_are_checked_before_memory_is_taken(
     assert BuildRecorder.built == ["meta", "cpu"] and isinstance(loaded, BuildRecorder)
 
 
+def test_a_checkpoint_lightning_cli_wrote_loads_by_class(fitted, tmp_path: Path) -> None:
+    """LightningCLI (the demo) saves how it built the module with its arguments; the
+    documented ``DLRMClickModule.load_from_checkpoint(dir)`` passed that on as an argument."""
+    ckpt, expected = fitted
+    cli = tmp_path / "cli.ckpt"
+    shutil.copytree(ckpt, cli)
+    meta = torch.load(cli / META_FILE, weights_only=True)
+    meta["hyper_parameters"]["_instantiator"] = "lightning.pytorch.cli.instantiate_module"
+    torch.save(meta, cli / META_FILE)
+    restamp(cli, META_FILE)
+    loaded = DLRMClickModule.load_from_checkpoint(cli)
+    assert "_instantiator" not in loaded.hparams
+    got = loaded.state_dict()
+    assert set(got) == set(expected) and all(torch.equal(got[k], v) for k, v in expected.items())
+
+
 class TwoOptimizers(DLRMClickModule):
     """Manual optimization: the model's optimizer, and plain SGD with momentum on a side head."""
 

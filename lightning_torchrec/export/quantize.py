@@ -27,6 +27,7 @@ from lightning_torchrec.checkpoint import (
     meta_tensors,
     plain_tensor_index,
 )
+from lightning_torchrec.checkpoint.unsharded import constructor_args
 from lightning_torchrec.errors import CheckpointMismatchError
 from lightning_torchrec.export.managed import (
     MANAGED_MODULES,
@@ -127,9 +128,7 @@ def build_module(
     saved = load_meta(checkpoint, key=key).get("hyper_parameters") or {}
     if not isinstance(saved, dict) or not all(isinstance(k, str) for k in saved):
         raise TypeError(f"{checkpoint}: its hyper_parameters are not a dict of arguments")
-    # LightningCLI (the demo) saves how it built the module next to its arguments, under keys
-    # with a leading underscore, which no argument has.
-    hparams = {k: v for k, v in saved.items() if not k.startswith("_")}
+    hparams = constructor_args(saved)
     try:
         return cls(**hparams)
     except TypeError as err:
