@@ -31,6 +31,7 @@ from lightning_torchrec.checkpoint.consolidate import (
 from lightning_torchrec.checkpoint.manifest import MANIFEST_FILE, file_checksum
 from lightning_torchrec.checkpoint.outputs import OwnedTemp
 from lightning_torchrec.errors import CheckpointMismatchError
+from lightning_torchrec.lightning.preemption import PreemptionCheckpoint
 from lightning_torchrec.training.optim import optimizer_steps, set_optimizer_steps
 from tests.scripts.factory import (
     adam,
@@ -212,6 +213,33 @@ def test_top_k_keeps_and_deletes_whole_directories(tmp_path: Path) -> None:
     assert entries == sorted([*kept, "last.ckpt"]), entries  # nothing partial or half-deleted
     for name in entries:
         assert is_sharded_checkpoint(tmp_path / "ck" / name)
+
+
+def test_a_url_is_a_local_path_or_refused_never_a_local_directory_named_like_it(
+    fitted, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lightning takes fsspec URLs for checkpoint paths; read as plain paths, ``memory://ck``
+    (``s3://bucket/ck``) was the directory ``memory:/ck`` of the current directory."""
+    ckpt, expected = fitted
+    monkeypatch.chdir(tmp_path)
+    remote = ModelCheckpoint(dirpath="memory://ck", every_n_train_steps=1)
+    t = trainer(tmp_path, callbacks=[remote], enable_checkpointing=True)
+    with pytest.raises(ValueError, match=r"^memory://ck is a memory:// URL; .*local file system"):
+        t.fit(dlrm(), datamodule=data())
+    assert t.global_step == 0  # refused before training
+    with pytest.raises(ValueError, match="s3://bucket/p.ckpt is a s3:// URL"):
+        PreemptionCheckpoint("s3://bucket/p.ckpt")
+    t = trainer(tmp_path, max_steps=1)
+    model = dlrm()
+    t.validate(model, datamodule=data(), ckpt_path=f"file://{ckpt}", verbose=False)
+    assert all(torch.equal(plain_state(model)[k], v) for k, v in expected.items())
+    with pytest.raises(ValueError, match="memory://a.ckpt is a memory:// URL"):
+        t.save_checkpoint("memory://a.ckpt")
+    t.save_checkpoint(f"file://{tmp_path}/a.ckpt")
+    assert is_sharded_checkpoint(tmp_path / "a.ckpt") and is_sharded_checkpoint(
+        f"file://{tmp_path}/a.ckpt"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.ckpt"]  # no "memory:" or "file:"
 
 
 def test_a_weights_only_checkpoint_says_so_when_a_fit_resumes_from_it(tmp_path: Path) -> None:

@@ -36,6 +36,7 @@ from lightning_torchrec.checkpoint.names import (
     PACKAGE_KEY,
     param_groups_file,
 )
+from lightning_torchrec.checkpoint.paths import local_path
 from lightning_torchrec.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
 from lightning_torchrec.distributed import rank_and_world_size
 from lightning_torchrec.errors import (
@@ -254,7 +255,7 @@ def load_sharded(
     regular file is opened (:class:`~lightning_torchrec.checkpoint.folder.CheckpointFolder`).
 
     Args:
-        path: the checkpoint directory.
+        path: the checkpoint directory (a ``file://`` URL is its local path).
         module: the (sharded) module to load into.
         optimizers: keyed optimizers to load into (may be empty: weights only).
         weights_only: load Lightning's metadata with ``torch.load(weights_only=...)`` (the DCP
@@ -272,6 +273,7 @@ def load_sharded(
 
     Raises:
         FileNotFoundError: if ``path`` is not a complete sharded checkpoint.
+        ValueError: if ``path`` is a URL of another file system (``s3://...``), on every rank.
         CheckpointMismatchError: if the model or the optimizer state does not fit the checkpoint
             (on any rank), or ``path`` is a single-file checkpoint of another strategy.
         ManagedCollisionLayoutError: if a managed-collision table was saved sharded over other
@@ -283,7 +285,7 @@ def load_sharded(
         CheckpointLimitError: if a file is larger, or expands further, than the limits.
         PeerFailureError: if another rank died during the load.
     """
-    path = Path(path)
+    path = local_path(path)
     rank, world = rank_and_world_size()
     error: BaseException | None = None
     folder = None
