@@ -13,6 +13,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torchrec import EmbeddingBagConfig
 
 from lightning_torchrec import (
     DLRMClickModule,
@@ -30,7 +31,7 @@ from lightning_torchrec.checkpoint.consolidate import (
 )
 from lightning_torchrec.checkpoint.manifest import MANIFEST_FILE, file_checksum
 from lightning_torchrec.checkpoint.outputs import OwnedTemp
-from lightning_torchrec.errors import CheckpointMismatchError
+from lightning_torchrec.errors import CheckpointMismatchError, UnsafeCheckpointError
 from lightning_torchrec.lightning.preemption import PreemptionCheckpoint
 from lightning_torchrec.training.optim import optimizer_steps, set_optimizer_steps
 from tests.scripts.factory import (
@@ -398,6 +399,28 @@ def test_a_checkpoint_lightning_cli_wrote_loads_by_class(fitted, tmp_path: Path)
     assert "_instantiator" not in loaded.hparams
     got = loaded.state_dict()
     assert set(got) == set(expected) and all(torch.equal(got[k], v) for k, v in expected.items())
+
+
+def test_weights_only_false_given_to_the_trainer_reaches_the_load(fitted, tmp_path: Path) -> None:
+    """The documented way to load one's own checkpoint whose ``meta.pt`` holds objects (here a
+    table config among the hyper-parameters): Lightning 2.6 does not pass ``weights_only`` on to
+    a strategy that restores after setup, so it was refused either way."""
+    ckpt, expected = fitted
+    own = tmp_path / "own.ckpt"
+    shutil.copytree(ckpt, own)
+    meta = torch.load(own / META_FILE, weights_only=True)
+    table = EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=ROWS, feature_names=["f"])
+    meta["hyper_parameters"]["table"] = table
+    torch.save(meta, own / META_FILE)
+    restamp(own, META_FILE)
+    with pytest.raises(UnsafeCheckpointError, match="EmbeddingBagConfig"):
+        trainer(tmp_path).fit(dlrm(), datamodule=data(), ckpt_path=own)
+    resumed = trainer(tmp_path, max_steps=4)
+    resumed.fit(dlrm(), datamodule=data(), ckpt_path=own, weights_only=False)
+    assert resumed.global_step == 4
+    model = dlrm()
+    trainer(tmp_path).validate(model, datamodule=data(), ckpt_path=own, weights_only=False)
+    assert all(torch.equal(plain_state(model)[k], v) for k, v in expected.items())
 
 
 class TwoOptimizers(DLRMClickModule):

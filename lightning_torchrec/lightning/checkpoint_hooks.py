@@ -33,6 +33,7 @@ from lightning_torchrec.checkpoint.hyper_params import scheduler_state
 from lightning_torchrec.checkpoint.limits import CheckpointLimits
 from lightning_torchrec.checkpoint.paths import local_path
 from lightning_torchrec.compat.c10d import collective_count
+from lightning_torchrec.compat.lightning import requested_weights_only
 from lightning_torchrec.errors import (
     MidStepCheckpointError,
     NonFiniteCheckpointError,
@@ -293,6 +294,8 @@ class ShardedCheckpointing:
         # Evaluation restores the weights only (as Lightning does), also on a Trainer whose fit
         # left its optimizers behind: their state is neither needed nor overwritten.
         optimizers = [keyed_optimizer(o) for o in self.optimizers] if fitting else []
+        if weights_only is None:  # Lightning drops it for a strategy restoring after setup
+            weights_only = requested_weights_only(trainer)
         meta = load_sharded(
             path,
             self.lightning_module,
