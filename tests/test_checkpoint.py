@@ -13,6 +13,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torchrec import EmbeddingBagConfig
 
 from lightning_torchrec import (
     DLRMClickModule,
@@ -30,9 +31,17 @@ from lightning_torchrec.checkpoint.consolidate import (
 )
 from lightning_torchrec.checkpoint.manifest import MANIFEST_FILE, file_checksum
 from lightning_torchrec.checkpoint.outputs import OwnedTemp
-from lightning_torchrec.errors import CheckpointMismatchError
+from lightning_torchrec.errors import CheckpointMismatchError, UnsafeCheckpointError
+from lightning_torchrec.lightning.preemption import PreemptionCheckpoint
 from lightning_torchrec.training.optim import optimizer_steps, set_optimizer_steps
-from tests.scripts.factory import adam, cpu_trainer, table_wise, tiny_data, tiny_dlrm
+from tests.scripts.factory import (
+    adam,
+    cpu_trainer,
+    sharding_constraints,
+    table_wise,
+    tiny_data,
+    tiny_dlrm,
+)
 from tests.scripts.hostile import restamp
 
 ROWS = 60
@@ -207,6 +216,33 @@ def test_top_k_keeps_and_deletes_whole_directories(tmp_path: Path) -> None:
         assert is_sharded_checkpoint(tmp_path / "ck" / name)
 
 
+def test_a_url_is_a_local_path_or_refused_never_a_local_directory_named_like_it(
+    fitted, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lightning takes fsspec URLs for checkpoint paths; read as plain paths, ``memory://ck``
+    (``s3://bucket/ck``) was the directory ``memory:/ck`` of the current directory."""
+    ckpt, expected = fitted
+    monkeypatch.chdir(tmp_path)
+    remote = ModelCheckpoint(dirpath="memory://ck", every_n_train_steps=1)
+    t = trainer(tmp_path, callbacks=[remote], enable_checkpointing=True)
+    with pytest.raises(ValueError, match=r"^memory://ck is a memory:// URL; .*local file system"):
+        t.fit(dlrm(), datamodule=data())
+    assert t.global_step == 0  # refused before training
+    with pytest.raises(ValueError, match="s3://bucket/p.ckpt is a s3:// URL"):
+        PreemptionCheckpoint("s3://bucket/p.ckpt")
+    t = trainer(tmp_path, max_steps=1)
+    model = dlrm()
+    t.validate(model, datamodule=data(), ckpt_path=f"file://{ckpt}", verbose=False)
+    assert all(torch.equal(plain_state(model)[k], v) for k, v in expected.items())
+    with pytest.raises(ValueError, match="memory://a.ckpt is a memory:// URL"):
+        t.save_checkpoint("memory://a.ckpt")
+    t.save_checkpoint(f"file://{tmp_path}/a.ckpt")
+    assert is_sharded_checkpoint(tmp_path / "a.ckpt") and is_sharded_checkpoint(
+        f"file://{tmp_path}/a.ckpt"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.ckpt"]  # no "memory:" or "file:"
+
+
 def test_a_weights_only_checkpoint_says_so_when_a_fit_resumes_from_it(tmp_path: Path) -> None:
     only = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=3, save_weights_only=True)
     trained = dlrm()
@@ -297,6 +333,28 @@ def test_a_dense_parameter_without_gradients_resumes_without_optimizer_state(
     )
 
 
+def test_optimizer_state_saved_under_other_names_is_refused_not_dropped(
+    fitted, tmp_path: Path
+) -> None:
+    # Saved with a dense Adam and fused tables. A dense SGD with momentum finds no
+    # momentum_buffer, and a table planned data-parallel now finds its state in the fused part:
+    # both were stepped, so their state is missing, not absent (unlike a never-stepped head).
+    ckpt, _ = fitted
+    sgd = tiny_dlrm(
+        ROWS, embedding_dim=4, optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)
+    )
+    with pytest.raises(CheckpointMismatchError, match="momentum_buffer") as err:
+        trainer(tmp_path, max_steps=4).fit(sgd, datamodule=data(), ckpt_path=ckpt)
+    assert "load_optimizer_states=False" in str(err.value)
+    replicated = TorchRecStrategy(
+        constraints=sharding_constraints({"t_cat_0": "data_parallel", "t_cat_1": "table_wise"}),
+        log_plan=False,
+    )
+    t = cpu_trainer(replicated, max_steps=4, limit_val_batches=0, default_root_dir=tmp_path)
+    with pytest.raises(CheckpointMismatchError, match=r"missing .*tables \['t_cat_0'\]"):
+        t.fit(dlrm(), datamodule=data(), ckpt_path=ckpt)
+
+
 class BuildRecorder(DLRMClickModule):
     """Records the device each construction's new tensors go to (meta: no memory)."""
 
@@ -325,6 +383,44 @@ def test_hyper_parameters_of_a_stranger_are_checked_before_memory_is_taken(
     BuildRecorder.built = []
     loaded = BuildRecorder.load_from_checkpoint(ckpt)  # the checkpoint's own: built for real
     assert BuildRecorder.built == ["meta", "cpu"] and isinstance(loaded, BuildRecorder)
+
+
+def test_a_checkpoint_lightning_cli_wrote_loads_by_class(fitted, tmp_path: Path) -> None:
+    """LightningCLI (the demo) saves how it built the module with its arguments; the
+    documented ``DLRMClickModule.load_from_checkpoint(dir)`` passed that on as an argument."""
+    ckpt, expected = fitted
+    cli = tmp_path / "cli.ckpt"
+    shutil.copytree(ckpt, cli)
+    meta = torch.load(cli / META_FILE, weights_only=True)
+    meta["hyper_parameters"]["_instantiator"] = "lightning.pytorch.cli.instantiate_module"
+    torch.save(meta, cli / META_FILE)
+    restamp(cli, META_FILE)
+    loaded = DLRMClickModule.load_from_checkpoint(cli)
+    assert "_instantiator" not in loaded.hparams
+    got = loaded.state_dict()
+    assert set(got) == set(expected) and all(torch.equal(got[k], v) for k, v in expected.items())
+
+
+def test_weights_only_false_given_to_the_trainer_reaches_the_load(fitted, tmp_path: Path) -> None:
+    """The documented way to load one's own checkpoint whose ``meta.pt`` holds objects (here a
+    table config among the hyper-parameters): Lightning 2.6 does not pass ``weights_only`` on to
+    a strategy that restores after setup, so it was refused either way."""
+    ckpt, expected = fitted
+    own = tmp_path / "own.ckpt"
+    shutil.copytree(ckpt, own)
+    meta = torch.load(own / META_FILE, weights_only=True)
+    table = EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=ROWS, feature_names=["f"])
+    meta["hyper_parameters"]["table"] = table
+    torch.save(meta, own / META_FILE)
+    restamp(own, META_FILE)
+    with pytest.raises(UnsafeCheckpointError, match="EmbeddingBagConfig"):
+        trainer(tmp_path).fit(dlrm(), datamodule=data(), ckpt_path=own)
+    resumed = trainer(tmp_path, max_steps=4)
+    resumed.fit(dlrm(), datamodule=data(), ckpt_path=own, weights_only=False)
+    assert resumed.global_step == 4
+    model = dlrm()
+    trainer(tmp_path).validate(model, datamodule=data(), ckpt_path=own, weights_only=False)
+    assert all(torch.equal(plain_state(model)[k], v) for k, v in expected.items())
 
 
 class TwoOptimizers(DLRMClickModule):

@@ -234,3 +234,40 @@ def test_crafted_guards_are_refused_before_anything_runs(
     program.example_inputs = (_request(4, 5), {})
     program.module()(*_request(3, 5))
     assert marker.exists()
+
+
+class TwoTowers(nn.Module):
+    """Two collections that each name a table ``t`` (of different widths), a user and an item
+    tower."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.user = EmbeddingBagCollection(
+            [EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=ROWS[0],
+                                feature_names=[FEATURES[0]])]
+        )  # fmt: skip
+        self.item = EmbeddingBagCollection(
+            [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=ROWS[1],
+                                feature_names=[FEATURES[1]])]
+        )  # fmt: skip
+        self.over = nn.Linear(DENSE + 12, 1)
+
+    def forward(self, dense: torch.Tensor, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        pooled = [self.user(kjt).values(), self.item(kjt).values()]
+        return self.over(torch.cat([dense, *pooled], dim=1))
+
+
+def test_tables_of_one_name_in_two_collections_are_both_described(tmp_path: Path) -> None:
+    """The side file's ``tables`` (and ``ExportResult.tables``) kept one of them, keyed ``t``."""
+    torch.manual_seed(0)
+    model = TwoTowers()
+    save_sharded(tmp_path / "ckpt", model, [], {})
+    request = _request(3, 1)
+    result = export(tmp_path / "ckpt", TwoTowers(), tmp_path / "towers.pt2", dtype="fp32",
+                    example_inputs=request)  # fmt: skip
+    want = {"user/t": (ROWS[0], 8), "item/t": (ROWS[1], 4)}
+    assert result.tables == want
+    side = json.loads(Path(f"{result.path}.json").read_text())
+    assert side["tables"] == {k: list(v) for k, v in want.items()}
+    with torch.inference_mode():
+        assert float((result.model(*request) - model(*request)).abs().max()) <= 1e-6

@@ -31,6 +31,7 @@ from lightning_torchrec.checkpoint.ownership import (
     owned_files,
     remove_replaced,
 )
+from lightning_torchrec.checkpoint.paths import local_path
 from lightning_torchrec.checkpoint.torch_files import single_file_checkpoint_kind
 from lightning_torchrec.distributed import agree, peer_failure, rank_and_world_size, run_collective
 from lightning_torchrec.errors import (
@@ -193,12 +194,17 @@ def is_sharded_checkpoint(path: str | Path) -> bool:
     where the atomic exchange is unavailable) is moved back to ``path`` first.
 
     Args:
-        path: a checkpoint path.
+        path: a checkpoint path (a ``file://`` URL is its local path).
 
     Returns:
         True when it is a directory holding DCP metadata and Lightning's metadata (written last,
-        so a directory whose save was interrupted is not a checkpoint).
+        so a directory whose save was interrupted is not a checkpoint); False for a URL of
+        another file system.
     """
+    try:
+        path = local_path(path)
+    except ValueError:  # a URL of another file system: no checkpoint of this package
+        return False
     try:
         recover_replaced(path)
     except OSError:
@@ -328,6 +334,10 @@ def remove_checkpoint(path: str | Path) -> None:
     (:func:`lightning_torchrec.checkpoint.ownership.remove_replaced`).
 
     Args:
-        path: the checkpoint.
+        path: the checkpoint (a URL of another file system than the local one holds none).
     """
+    try:
+        path = local_path(path)
+    except ValueError:  # never saved there (refused), so nothing to delete; no rank waits
+        return
     remove_replaced(path)

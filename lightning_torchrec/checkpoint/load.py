@@ -36,6 +36,7 @@ from lightning_torchrec.checkpoint.names import (
     PACKAGE_KEY,
     param_groups_file,
 )
+from lightning_torchrec.checkpoint.paths import local_path
 from lightning_torchrec.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
 from lightning_torchrec.distributed import rank_and_world_size
 from lightning_torchrec.errors import (
@@ -48,6 +49,7 @@ from lightning_torchrec.sharding.layout import global_shape
 from lightning_torchrec.sharding.tables import table_of_key
 from lightning_torchrec.training.optim import (
     DENSE_KEY,
+    FUSED_KEY,
     DenseAndFusedOptimizer,
     forget_dense_state,
     init_optimizer_state,
@@ -180,12 +182,30 @@ def _unstepped_dense(target: dict[str, Any], stored: Mapping[str, Any], prefix: 
 
     A dense parameter that never had a gradient before the save (an unused head, a frozen
     layer) has no optimizer state, as in any torch optimizer; it resumes without state too.
+    A parameter the checkpoint holds any state for, under other names (another dense
+    optimizer: ``exp_avg`` where SGD wants ``momentum_buffer``) or in the fused part (a table
+    saved on a fused kernel and planned data-parallel now), was stepped: it is not one of
+    these, and the load reports its missing entries instead of dropping its state.
+
+    Args:
+        target: the optimizer's state as the load target (``{"dense.<name>": {...}}``).
+        stored: the checkpoint's DCP metadata entries.
+        prefix: the optimizer's key in the checkpoint (``"optimizer_0"``).
+
+    Returns:
+        The target keys (``"dense.<name>"``) of the parameters without any saved state.
     """
+    holders: set[str] = set()  # every dotted prefix of a saved entry of this optimizer
+    for entry in stored:
+        if entry.startswith(f"{prefix}."):
+            parts = entry[len(prefix) + 1 :].split(".")
+            holders.update(".".join(parts[:n]) for n in range(2, len(parts)))
     unstepped = []
     for key, value in target.items():
         if not key.startswith(f"{DENSE_KEY}.") or not isinstance(value, Mapping):
             continue
-        if not any(k in stored for k in _flatten({key: value}, f"{prefix}.")):
+        name = key[len(DENSE_KEY) + 1 :]
+        if not any(f"{part}.{name}" in holders for part in (DENSE_KEY, FUSED_KEY)):
             unstepped.append(key)
     return unstepped
 
@@ -235,7 +255,7 @@ def load_sharded(
     regular file is opened (:class:`~lightning_torchrec.checkpoint.folder.CheckpointFolder`).
 
     Args:
-        path: the checkpoint directory.
+        path: the checkpoint directory (a ``file://`` URL is its local path).
         module: the (sharded) module to load into.
         optimizers: keyed optimizers to load into (may be empty: weights only).
         weights_only: load Lightning's metadata with ``torch.load(weights_only=...)`` (the DCP
@@ -253,6 +273,7 @@ def load_sharded(
 
     Raises:
         FileNotFoundError: if ``path`` is not a complete sharded checkpoint.
+        ValueError: if ``path`` is a URL of another file system (``s3://...``), on every rank.
         CheckpointMismatchError: if the model or the optimizer state does not fit the checkpoint
             (on any rank), or ``path`` is a single-file checkpoint of another strategy.
         ManagedCollisionLayoutError: if a managed-collision table was saved sharded over other
@@ -264,7 +285,7 @@ def load_sharded(
         CheckpointLimitError: if a file is larger, or expands further, than the limits.
         PeerFailureError: if another rank died during the load.
     """
-    path = Path(path)
+    path = local_path(path)
     rank, world = rank_and_world_size()
     error: BaseException | None = None
     folder = None
@@ -323,8 +344,9 @@ def load_sharded(
                 )
             except CheckpointMismatchError as err:
                 raise CheckpointMismatchError(
-                    f"{err}\nThe optimizer state cannot be carried over (another model, or a "
-                    "plan that reshapes the fused optimizer state). To continue from the "
+                    f"{err}\nThe optimizer state cannot be carried over (another model, another "
+                    "dense optimizer, or a plan that reshapes the fused optimizer state or "
+                    "moves a table between a fused kernel and data-parallel). To continue from the "
                     "weights with fresh optimizer state, pass "
                     "`TorchRecStrategy(load_optimizer_states=False)` (or "
                     "`load_sharded(..., load_optimizer_states=False)`)."

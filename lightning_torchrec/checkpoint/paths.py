@@ -15,6 +15,7 @@ through :func:`open_regular`:
 from __future__ import annotations
 
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -31,6 +32,45 @@ _OPEN_FLAGS = (
     | getattr(os, "O_NOFOLLOW", 0)
     | getattr(os, "O_CLOEXEC", 0)
 )
+
+
+#: A URL's scheme as fsspec (and so Lightning's ``ModelCheckpoint``) reads a path: ``s3://...``.
+_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+#: fsspec's schemes for the local file system, whose paths follow the ``://``.
+_LOCAL_SCHEMES = ("file", "local")
+
+
+def local_path(path: str | os.PathLike[str]) -> Path:
+    """A checkpoint path on this machine's file system (a local disk or a mount).
+
+    Lightning accepts fsspec URLs where it takes a checkpoint path (``ModelCheckpoint(dirpath=
+    "s3://bucket/run")``, ``trainer.save_checkpoint("file:///ckpts/a.ckpt")``); read as a plain
+    path, ``s3://bucket/run`` is the relative directory ``s3:/bucket/run`` of the current
+    directory, where the checkpoint would go unnoticed. A ``file://`` (or ``local://``) URL is
+    the local path after the ``://``, as fsspec reads it.
+
+    Args:
+        path: a path or a URL.
+
+    Returns:
+        The local path.
+
+    Raises:
+        ValueError: for a URL of another file system, naming it: sharded checkpoints are written
+            by every rank through the local file system.
+    """
+    text = os.fspath(path)
+    match = _URL.match(text)
+    if match is None:
+        return Path(text)
+    if match.group(1).lower() in _LOCAL_SCHEMES:
+        return Path(text[match.end() :])
+    raise ValueError(
+        f"{text} is a {match.group(1)}:// URL; sharded checkpoints are read and written by every "
+        "rank through the local file system (torch.distributed.checkpoint's FileSystemWriter). "
+        "Use a local path, or a path where that storage is mounted on every node (and copy the "
+        "directory there after the run if it cannot be mounted)."
+    )
 
 
 def is_plain_name(name: Any) -> bool:

@@ -37,6 +37,7 @@ from lightning_torchrec.checkpoint.hyper_params import RUN_KEY, merge_run_record
 from lightning_torchrec.checkpoint.manifest import MANIFEST_FILE, file_checksum, write_manifest
 from lightning_torchrec.checkpoint.names import META_FILE, PACKAGE_KEY, param_groups_file
 from lightning_torchrec.checkpoint.ownership import forget_partial, make_partial, remove_partial
+from lightning_torchrec.checkpoint.paths import local_path
 from lightning_torchrec.checkpoint.signing import resolve_key
 from lightning_torchrec.distributed import broadcast_from_rank0, is_distributed, rank_and_world_size
 from lightning_torchrec.errors import (
@@ -88,9 +89,10 @@ def save_sharded(
     """Saves a module's (sharded) state, optimizer states and Lightning metadata. Collective.
 
     Args:
-        path: the checkpoint directory. An existing checkpoint of this package holding nothing
-            else (or a Lightning single-file checkpoint, or an empty directory) there is
-            replaced once the new one is complete; anything else there is refused.
+        path: the checkpoint directory (a ``file://`` URL is its local path). An existing
+            checkpoint of this package holding nothing else (or a Lightning single-file
+            checkpoint, or an empty directory) there is replaced once the new one is complete;
+            anything else there is refused.
         module: the (sharded) module; ``module.state_dict()`` holds ShardedTensors for tables.
         optimizers: keyed optimizers (state keyed by parameter name).
         metadata: the rest of Lightning's checkpoint dict; rank 0 writes it.
@@ -103,12 +105,14 @@ def save_sharded(
         NonFiniteCheckpointError: see :func:`check_finite`; nothing is written.
         FileExistsError: if ``path`` holds something that is not a checkpoint; nothing is
             written.
+        ValueError: if ``path`` is a URL of another file system (``s3://...``), on every rank;
+            nothing is written.
         CheckpointWriteError: if writing failed on some rank, with the OS's errno on every rank
             (``ENOSPC`` disk full, ``EFBIG`` past a file-size limit), naming the file and the
             rank; the previous checkpoint of that name is intact.
         PeerFailureError: if another rank died during the save.
     """
-    path = Path(path)
+    path = local_path(path)
     rank, world = rank_and_world_size()
     model_state = module.state_dict() if model_state is None else model_state
     state: dict[str, Any] = {MODEL_KEY: model_state}

@@ -241,6 +241,22 @@ def fill_plain(
     return loaded
 
 
+def constructor_args(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    """A module's constructor arguments from the ``hyper_parameters`` saved with it.
+
+    LightningCLI (the demo) saves how it built the module next to its arguments, under keys
+    with a leading underscore (``_instantiator``, ``_class_path``), which no argument has. They
+    are left out: the class is the caller's, and nothing is imported on the checkpoint's behalf.
+
+    Args:
+        hparams: the saved hyper-parameters.
+
+    Returns:
+        The arguments.
+    """
+    return {k: v for k, v in hparams.items() if not k.startswith("_")}
+
+
 def load_unsharded(
     checkpoint: str | Path,
     module: nn.Module | type[nn.Module],
@@ -288,7 +304,7 @@ def load_unsharded(
         hparams = meta.get("hyper_parameters") or {}
         if not isinstance(hparams, dict) or not all(isinstance(k, str) for k in hparams):
             raise CheckpointCorruptError(f"{checkpoint}: its hyper_parameters are not a dict")
-        args = {**hparams, **init_args}
+        args = {**constructor_args(hparams), **init_args}
         # The hyper-parameters come from the file: the model they describe is built on the meta
         # device first (no memory) and checked against the checkpoint's shapes, so a crafted
         # width cannot make the real build allocate without bound.

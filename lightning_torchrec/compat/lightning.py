@@ -9,10 +9,12 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import lightning as L
 import torch
 from lightning.fabric.utilities.apply_func import (
     _BLOCKING_DEVICE_TYPES,
@@ -274,6 +276,32 @@ def hpc_save_path(trainer: Any) -> str:
         The path of the next HPC checkpoint.
     """
     return str(trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir))
+
+
+def requested_weights_only(trainer: Any) -> bool | None:
+    """The ``weights_only`` passed to the running ``trainer.fit/validate/test/predict``.
+
+    Lightning 2.6 hands it to ``Strategy.load_checkpoint`` only for a strategy that restores
+    before its ``setup``; for one that restores after (``restore_checkpoint_after_setup``, as
+    ``TorchRecStrategy`` must: the tables exist only once sharded), ``Trainer._run`` calls
+    ``_restore_modules_and_callbacks(ckpt_path)`` without it, and ``load_checkpoint`` gets
+    None. It is read from ``Trainer._run``'s frame on this thread's stack (its local
+    ``weights_only``, lightning 2.5+).
+
+    Args:
+        trainer: the Trainer restoring a checkpoint.
+
+    Returns:
+        The value given (True or False), or None when none was given or no run is found.
+    """
+    code = getattr(getattr(L.Trainer, "_run", None), "__code__", None)
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code and frame.f_locals.get("self") is trainer:
+            value = frame.f_locals.get("weights_only")
+            return value if isinstance(value, bool) else None
+        frame = frame.f_back
+    return None
 
 
 class ResultsOnlyLauncher(_MultiProcessingLauncher):

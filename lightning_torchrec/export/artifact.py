@@ -65,7 +65,8 @@ class ExportResult:
         format: ``"pt2"`` or ``"torchscript"``.
         dtype: the table dtype name (``"int8"``, ...).
         path: the written artifact, or None when no output was given.
-        tables: ``{table: (rows, dim)}`` of the quantized tables.
+        tables: ``{table: (rows, dim)}`` of the quantized tables; a name that tables of two
+            collections share (a user and an item tower) as ``"<collection path>/<name>"``.
         float_table_bytes: bytes of the tables in the checkpoint (float).
         quantized_table_bytes: bytes of the quantized tables (with scale/bias and padding).
         seconds: wall time of the export.

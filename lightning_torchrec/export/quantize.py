@@ -27,6 +27,7 @@ from lightning_torchrec.checkpoint import (
     meta_tensors,
     plain_tensor_index,
 )
+from lightning_torchrec.checkpoint.unsharded import constructor_args
 from lightning_torchrec.errors import CheckpointMismatchError
 from lightning_torchrec.export.managed import (
     MANAGED_MODULES,
@@ -127,9 +128,7 @@ def build_module(
     saved = load_meta(checkpoint, key=key).get("hyper_parameters") or {}
     if not isinstance(saved, dict) or not all(isinstance(k, str) for k in saved):
         raise TypeError(f"{checkpoint}: its hyper_parameters are not a dict of arguments")
-    # LightningCLI (the demo) saves how it built the module next to its arguments, under keys
-    # with a leading underscore, which no argument has.
-    hparams = {k: v for k, v in saved.items() if not k.startswith("_")}
+    hparams = constructor_args(saved)
     try:
         return cls(**hparams)
     except TypeError as err:
@@ -270,7 +269,8 @@ def quantize_from_checkpoint(
             ``lightning_torchrec.checkpoint.signing``).
 
     Returns:
-        ``(model in eval mode, facts)`` where facts holds ``tables`` (``{name: (rows, dim)}``),
+        ``(model in eval mode, facts)`` where facts holds ``tables`` (``{name: (rows, dim)}``;
+        a name that tables of two collections share as ``"<collection path>/<name>"``),
         ``float_table_bytes``, ``quantized_table_bytes``, ``features`` (KJT keys in table
         order), ``feature_tables``, ``sequence_features`` (those of ``EmbeddingCollection`` s:
         one vector per id), ``weighted`` (the input carries per-id weights: a feature processor's
@@ -312,7 +312,8 @@ def quantize_from_checkpoint(
             f"{type(target).__name__} holds no TorchRec EmbeddingBagCollection or "
             "EmbeddingCollection"
         )
-    configs = [c for module in collections.values() for c in table_configs(module)]
+    named = [(path, c) for path, module in collections.items() for c in table_configs(module)]
+    configs = [c for _, c in named]
     _check_dims(dtype, configs)
 
     expected = {k: tuple(v.shape) for k, v in root.state_dict().items()}
@@ -362,8 +363,10 @@ def quantize_from_checkpoint(
         raise CheckpointMismatchError(f"tensors of the model without values: {left}")
     target.eval()
     features = [f for c in configs for f in c.feature_names]
+    names = [c.name for c in configs]  # a name two collections share is qualified by the path
+    by_name = {c.name if names.count(c.name) == 1 else f"{p}/{c.name}": c for p, c in named}
     facts = {
-        "tables": {c.name: (c.num_embeddings, c.embedding_dim) for c in configs},
+        "tables": {name: (c.num_embeddings, c.embedding_dim) for name, c in by_name.items()},
         "float_table_bytes": sum(table_bytes(c) for c in configs),
         "quantized_table_bytes": sum(
             c.num_embeddings * quantized_row_bytes(dtype, c.embedding_dim) for c in configs

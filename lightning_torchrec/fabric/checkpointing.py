@@ -13,7 +13,6 @@ module's parameter names match the LightningModule's, and the other way round.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from lightning.fabric import __version__ as lightning_version
@@ -25,6 +24,7 @@ from typing_extensions import override
 
 from lightning_torchrec.checkpoint import load_sharded, save_sharded
 from lightning_torchrec.checkpoint.hyper_params import scheduler_state
+from lightning_torchrec.checkpoint.paths import local_path
 from lightning_torchrec.sharding.tables import unwrap
 from lightning_torchrec.training.optim import keyed_optimizer
 
@@ -142,7 +142,7 @@ class FabricCheckpointing:
             raise TypeError("TorchRecFabricStrategy.save_checkpoint takes no options or filter")
         if self._runner is not None:  # a batch judged a step late never reaches a checkpoint
             self._runner.settle()
-        target = Path(self._collective(self.broadcast, str(path)))
+        target = local_path(self._collective(self.broadcast, str(path)))
         module, optimizers, plain = split_state(state, self._dmp)
         values = {k: v.state_dict() if is_stateful(v) else v for k, v in plain.items()}
         save_sharded(
@@ -189,7 +189,7 @@ class FabricCheckpointing:
                 "fabric.load of a sharded TorchRec checkpoint needs the objects to load into: "
                 "`fabric.load(path, {'model': model, 'optimizer': optimizer, ...})`."
             )
-        target = Path(self._collective(self.broadcast, str(path)))
+        target = local_path(self._collective(self.broadcast, str(path)))
         module, optimizers, plain = split_state(state, self._dmp)
         meta = load_sharded(
             target,

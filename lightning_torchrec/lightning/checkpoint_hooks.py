@@ -16,7 +16,6 @@ from __future__ import annotations
 import sys
 import warnings
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,7 +31,9 @@ from lightning_torchrec.checkpoint import (
 )
 from lightning_torchrec.checkpoint.hyper_params import scheduler_state
 from lightning_torchrec.checkpoint.limits import CheckpointLimits
+from lightning_torchrec.checkpoint.paths import local_path
 from lightning_torchrec.compat.c10d import collective_count
+from lightning_torchrec.compat.lightning import requested_weights_only
 from lightning_torchrec.errors import (
     MidStepCheckpointError,
     NonFiniteCheckpointError,
@@ -211,7 +212,7 @@ class ShardedCheckpointing:
         target, position = self._collective(
             self.broadcast, (str(filepath), epoch_position(trainer))
         )
-        path = Path(target)
+        path = local_path(target)  # a URL of another file system: refused on every rank
         checkpoint = dict(checkpoint)
         if position is not None:  # what the training step consumed: a resume skips it
             checkpoint[POSITION_KEY] = position
@@ -286,13 +287,15 @@ class ShardedCheckpointing:
     def load_checkpoint(
         self, checkpoint_path: Any, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        path = Path(self._collective(self.broadcast, str(checkpoint_path)))
+        path = local_path(self._collective(self.broadcast, str(checkpoint_path)))
         assert self.lightning_module is not None
         trainer = attached_trainer(self.lightning_module)
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         # Evaluation restores the weights only (as Lightning does), also on a Trainer whose fit
         # left its optimizers behind: their state is neither needed nor overwritten.
         optimizers = [keyed_optimizer(o) for o in self.optimizers] if fitting else []
+        if weights_only is None:  # Lightning drops it for a strategy restoring after setup
+            weights_only = requested_weights_only(trainer)
         meta = load_sharded(
             path,
             self.lightning_module,

@@ -28,6 +28,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_torchrec.checkpoint.paths import local_path
 from lightning_torchrec.compat.lightning import hpc_save_path
 from lightning_torchrec.distributed import ranks_where
 from lightning_torchrec.errors import Preempted
@@ -110,7 +111,9 @@ class PreemptionCheckpoint(_SaveOnSignal):
         signals: the signals treated as preemption.
 
     Raises:
-        ValueError: if ``check_every_n_steps < 1``.
+        ValueError: if ``check_every_n_steps < 1``, or ``path`` is a URL of another file system
+            than the local one (``s3://...``: the checkpoint would land in a local ``s3:``
+            directory).
     """
 
     def __init__(
@@ -121,7 +124,7 @@ class PreemptionCheckpoint(_SaveOnSignal):
         signals: tuple[int, ...] = (signal.SIGTERM,),
     ) -> None:
         super().__init__(check_every_n_steps, exit_code, signals)
-        self.path = Path(path)
+        self.path = local_path(path)
 
     def _act(self, trainer: L.Trainer, ranks: list[int]) -> None:
         trainer.save_checkpoint(self.path)

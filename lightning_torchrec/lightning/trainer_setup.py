@@ -15,6 +15,7 @@ import torch
 from lightning.pytorch.callbacks import (
     BaseFinetuning,
     GradientAccumulationScheduler,
+    ModelCheckpoint,
     StochasticWeightAveraging,
 )
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision
@@ -22,6 +23,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_torchrec.checkpoint.paths import local_path
 from lightning_torchrec.compat.lightning import lighter_defaults
 from lightning_torchrec.compat.lightning_callbacks import pruning_targets, summarize_with
 from lightning_torchrec.lightning.summary import WholeTableSummary
@@ -253,8 +255,12 @@ def check_fit(trainer: Any, plan: Any, allow_fused_gradient_accumulation: bool) 
         allow_fused_gradient_accumulation: the user accepts that only dense gradients accumulate.
 
     Raises:
-        ValueError: for ``StochasticWeightAveraging``, and see :func:`check_fused_training`.
+        ValueError: for ``StochasticWeightAveraging``, a ``ModelCheckpoint`` whose ``dirpath``
+            is a URL (``s3://...``) of another file system, and see :func:`check_fused_training`.
     """
+    for callback in getattr(trainer, "callbacks", ()):
+        if isinstance(callback, ModelCheckpoint) and isinstance(callback.dirpath, str):
+            local_path(callback.dirpath)  # refused before training, not at the first save
     swa = _callback(trainer, StochasticWeightAveraging)
     if swa is not None:
         raise ValueError(
