@@ -15,7 +15,8 @@ A *layer* is a subpackage (``sharding``, ``training``, ...) or a top-level modul
    ``data``'s data modules may subclass ``lightning.pytorch.LightningDataModule`` (their loaders
    serve a Fabric loop as well). The core may use ``lightning.fabric``.
 4. Private names of torch, TorchRec, fbgemm and Lightning appear only in ``compat``; Lightning's
-   only in ``compat.lightning``, ``compat.lightning_callbacks`` and ``compat.lightning_loops``,
+   only in ``compat.lightning`` and its siblings (``compat.lightning_callbacks``,
+   ``compat.lightning_loops``, ``compat.lightning_batches``),
    which only the glue imports.
 5. No module imports another module's private (``_``) name; every import is at module level.
 """

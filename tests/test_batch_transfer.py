@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from lightning_torchrec.compat.lightning import move_batch
+from lightning_torchrec.compat.lightning_batches import move_batch
 
 
 class OwnTo:

@@ -15,11 +15,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
-from lightning_torchrec.compat.lightning import (
-    is_last_batch,
-    move_batch,
-    take_over_sigterm_broadcast,
-)
+from lightning_torchrec.compat.lightning import is_last_batch, take_over_sigterm_broadcast
+from lightning_torchrec.compat.lightning_batches import move_batch
 from lightning_torchrec.distributed import peer_failure, run_collective
 from lightning_torchrec.errors import PeerFailureError, StopRequested
 from lightning_torchrec.failure_reports import begin_run, post, post_stop
