@@ -24,6 +24,8 @@ from lightning_torchrec.errors import IdOutOfRangeError, UnsafeCheckpointError
 from lightning_torchrec.export.archive import check_pt2, load_pt2
 from lightning_torchrec.export.artifact import export, load_artifact
 from lightning_torchrec.export.modules import takes_weights
+from lightning_torchrec.sharding.planning import shard_model
+from tests.helpers import one_rank_group  # noqa: F401 - a fixture
 
 ROWS = (50, 60)
 FEATURES = ["cat_0", "cat_1"]
@@ -271,3 +273,15 @@ def test_tables_of_one_name_in_two_collections_are_both_described(tmp_path: Path
     assert side["tables"] == {k: list(v) for k, v in want.items()}
     with torch.inference_mode():
         assert float((result.model(*request) - model(*request)).abs().max()) <= 1e-6
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_a_module_a_fit_has_sharded_is_refused_naming_what_is_sharded(tmp_path: Path) -> None:
+    """It said the module "holds no TorchRec EmbeddingBagCollection": its EBCs were shards."""
+    save_sharded(tmp_path / "ckpt", TwoTowers(), [], {})
+    holder = nn.Module()
+    with pytest.warns(UserWarning, match="built whole on every rank"):  # not on meta: fine here
+        holder.towers = shard_model(TwoTowers(), torch.device("cpu")).dmp
+    with pytest.raises(TypeError, match=r"is sharded \(towers is a DistributedModelParallel\)"):
+        export(tmp_path / "ckpt", holder, tmp_path / "x.pt2", dtype="fp32")
+    assert not (tmp_path / "x.pt2").exists()

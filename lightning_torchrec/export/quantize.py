@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torchrec.distributed.model_parallel import DistributedModelParallel as DMP
+from torchrec.distributed.types import ShardedModule
 from torchrec.modules.embedding_configs import DATA_TYPE_NUM_BITS, BaseEmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
@@ -113,10 +115,16 @@ def build_module(
 
     Raises:
         ImportError: for an unknown dotted path (see :func:`resolve_class`).
-        TypeError: if the class is not an ``nn.Module`` subclass (nothing is built) or cannot
-            be built from the saved hyper-parameters.
+        TypeError: if the class is not an ``nn.Module`` subclass (nothing is built), cannot
+            be built from the saved hyper-parameters, or the instance is sharded.
     """
     if isinstance(module, nn.Module):
+        sharded = [(p, m) for p, m in module.named_modules() if isinstance(m, ShardedModule | DMP)]
+        if sharded:
+            raise TypeError(
+                f"{type(module).__name__} is sharded ({sharded[0][0] or 'it'} is a "
+                f"{type(sharded[0][1]).__name__}): pass its class or an unsharded instance"
+            )
         return module
     cls = resolve_class(module) if isinstance(module, str) else module
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
