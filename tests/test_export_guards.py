@@ -271,6 +271,10 @@ def test_tables_of_one_name_in_two_collections_are_both_described(tmp_path: Path
     assert result.tables == want
     side = json.loads(Path(f"{result.path}.json").read_text())
     assert side["tables"] == {k: list(v) for k, v in want.items()}
+    assert side["inputs"] == (  # what this model takes (it said DLRM's whatever the model)
+        "forward(float32 [B, 5], KeyedJaggedTensor(keys=['cat_0', 'cat_1'], values=int64, "
+        "lengths=int32)) -> float32 [B, 1]"
+    )
     with torch.inference_mode():
         assert float((result.model(*request) - model(*request)).abs().max()) <= 1e-6
 

@@ -43,7 +43,7 @@ from lightning_torchrec.checkpoint.outputs import USER_ERRORS, OwnedTemp, check_
 from lightning_torchrec.checkpoint.signing import read_key_file
 from lightning_torchrec.compat.upstream import drop_unused_range_constraints
 from lightning_torchrec.export.archive import load_pt2, load_torchscript
-from lightning_torchrec.export.modules import strip_table_buffers
+from lightning_torchrec.export.modules import describe_call, strip_table_buffers
 from lightning_torchrec.export.quantize import DTYPES, quantize_from_checkpoint
 from lightning_torchrec.export.scripting import script
 from lightning_torchrec.export.validate import ServedModel, input_contract
@@ -265,8 +265,7 @@ def export(
         "tables": {k: list(v) for k, v in facts["tables"].items()},
         "feature_tables": facts["feature_tables"],
         "input_contract": input_contract(facts["feature_tables"]),
-        "inputs": "forward(dense_features: float32 [B, dense_width], sparse_features: "
-        "KeyedJaggedTensor(keys=features, values=int64, lengths=int32)) -> logits [B, 1]",
+        "inputs": describe_call(model, args),
         "load": "torch.export.load(path).module()" if format == "pt2" else "torch.jit.load(path)",
         "checkpoint": str(checkpoint_dir),
     }

@@ -15,6 +15,8 @@ check of its features.
 from __future__ import annotations
 
 import copy
+import inspect
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,6 +29,7 @@ from torchrec.quant.embedding_modules import (
 from torchrec.quant.embedding_modules import (
     EmbeddingCollection as QuantEmbeddingCollection,
 )
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_torchrec.export.validate import IdRangeCheck
 
@@ -177,3 +180,36 @@ def strip_table_buffers(model: nn.Module) -> None:
             attr = rows_attribute(sub)
             names = list(getattr(sub, attr))
             setattr(sub, attr, nn.ModuleDict({name: nn.Module() for name in names}))
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, KeyedJaggedTensor):
+        weights = ", weights=float32" if value.weights_or_none() is not None else ""
+        return (
+            f"KeyedJaggedTensor(keys={list(value.keys())}, values={value.values().dtype}, "
+            f"lengths={value.lengths().dtype}{weights})".replace("torch.", "")
+        )
+    if isinstance(value, torch.Tensor):  # the first dimension is the batch
+        dims = ", ".join(["B", *map(str, value.shape[1:])])
+        return f"{str(value.dtype).replace('torch.', '')} [{dims}]"
+    if isinstance(value, tuple | list):
+        return f"({', '.join(_describe(v) for v in value)})"
+    return type(value).__name__
+
+
+def describe_call(model: nn.Module, args: tuple[Any, ...] | None) -> str:
+    """What the exported model takes and returns, for the side file: from the traced inputs.
+
+    Args:
+        model: the quantized model (before tracing).
+        args: the positional inputs it was traced or checked with, or None (TorchScript
+            without example inputs: the signature of its ``forward`` is shown).
+
+    Returns:
+        ``"forward(float32 [B, 13], KeyedJaggedTensor(keys=[...], ...)) -> float32 [B, 1]"``.
+    """
+    if args is None:
+        return f"forward{inspect.signature(model.forward)}"
+    with torch.inference_mode():
+        output = model(*args)
+    return f"forward({', '.join(_describe(a) for a in args)}) -> {_describe(output)}"
