@@ -17,7 +17,12 @@ import torch
 from lightning.fabric.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
-from lightning_torchrec import PeerFailureError, TorchRecFabricStrategy, dense_parameters
+from lightning_torchrec import (
+    BatchValidationError,
+    PeerFailureError,
+    TorchRecFabricStrategy,
+    dense_parameters,
+)
 from lightning_torchrec.data import SyntheticClickDataset
 from lightning_torchrec.fabric.strategy import TorchRecFabricStrategy as Direct
 from lightning_torchrec.models.dlrm import dlrm_click_model
@@ -103,6 +108,8 @@ def test_reshard_two_ranks_to_one(run: Path) -> None:
         ("bad_batch", "BatchValidationError", 2),
         ("nan_loss", "NonFiniteLossError", 4),
         ("second_forward", "BatchValidationError", 2),  # every forward is checked
+        # An evaluation forward read the bad id as row 0 and raised nothing (wrong metrics).
+        ("eval_bad_batch", "BatchValidationError", 2),
     ],
 )
 def test_one_rank_fault_raises_the_same_named_error_everywhere(
@@ -127,6 +134,17 @@ def test_a_rank_still_training_when_another_finishes_raises_uneven_data_everywhe
     assert all("rank(s) [0] have" in s[1] and "rank(s) [1] have more" in s[1] for s in seen)
 
 
+def test_a_rank_still_evaluating_when_another_trains_on_raises_uneven_data_everywhere(
+    run: Path,
+) -> None:
+    # Rank 1's fifth evaluation forward met rank 0's next training step: no hang, one error.
+    seen = [r["eval_uneven"] for r in load_ranks(run, "faults")]
+    assert [s[0] for s in seen] == ["UnevenDataError", "UnevenDataError"]
+    assert [s[2] for s in seen] == [3, 4]  # rank 0 after its last evaluation batch, rank 1 in it
+    told = "rank(s) [1] ran an evaluation forward while rank(s) [0] had ended their evaluation"
+    assert all(told in s[1] for s in seen)
+
+
 ROWS = [20, 20]
 
 
@@ -149,6 +167,31 @@ def train(fabric: L.Fabric, model: Any, optimizers: list[Any], schedulers: list[
         fabric.backward(model(batch)[0])
         for stepper in (*optimizers, *schedulers):
             stepper.step()
+
+
+@pytest.mark.usefixtures("one_rank_group")
+@pytest.mark.parametrize(
+    ("options", "raised"),
+    [({}, True), ({"validate_batches": 1}, False), ({"validate_batches": False}, False)],
+)
+def test_an_evaluation_forward_is_checked_as_validate_batches_says(
+    options: dict[str, Any], raised: bool
+) -> None:
+    # In eval() mode the id 20 of a 20-row table was read as row 0: no error, wrong outputs.
+    fabric, unsharded = one_rank_fabric(**options)
+    model = fabric.setup_module(unsharded)
+    first, second = DataLoader(SyntheticClickDataset(ROWS, 2, 4), batch_size=None)
+    values = second.sparse_features.values()
+    values[0] = 20
+    model.eval()
+    with torch.no_grad():
+        model(first)
+        if raised:
+            with pytest.raises(BatchValidationError, match="evaluation forward 1 after step 0"):
+                model(second)
+        else:
+            model(second)  # the first forward only (validate_batches=1), or none
+    model.train()
 
 
 @pytest.mark.usefixtures("one_rank_group")

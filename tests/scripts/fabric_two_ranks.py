@@ -9,7 +9,8 @@ both learning rates halved every ``HALVE`` steps by one ``StepLR``):
 5. ``trainer_resume``: the Trainer resumes the Fabric checkpoint and finishes;
    ``fabric_from_trainer``: Fabric loads the Trainer's final checkpoint;
 6. ``faults``: on rank 1 only, a bad batch; a bad batch in the second of two forwards of one
-   step (called by keyword); one batch more than rank 0; a NaN loss.
+   step (called by keyword); one batch more than rank 0; a NaN loss; a bad batch in an
+   evaluation (``model.eval()``); one evaluation batch more than rank 0.
 
 Each rank writes ``{phase}_rank{r}.pt`` (losses, local weights, what it raised) into argv[1].
 """
@@ -254,6 +255,26 @@ def faults(fabric: L.Fabric) -> dict[str, Any]:
             seen[name] = None
         except Exception as e:  # every rank must raise the same named error
             seen[name] = (type(e).__name__, str(e), step)
+    for name in ("eval_bad_batch", "eval_uneven"):
+        evaluation = list(batches(rank))[:4]
+        if name == "eval_uneven" and rank == 1:
+            evaluation.append(evaluation[0])  # one evaluation batch more than rank 0
+        try:
+            model.eval()
+            with torch.no_grad():
+                for step, batch in enumerate(evaluation):
+                    bad = name == "eval_bad_batch" and rank == 1 and step == 2
+                    model(broken(batch) if bad else batch)  # checked in eval() mode too
+            model.train()
+            optimizer.zero_grad()  # training goes on: rank 1 is still evaluating
+            loss, _ = model(evaluation[0])
+            fabric.backward(loss)
+            optimizer.step()
+            fabric.strategy.finish()
+            seen[name] = None
+        except Exception as e:
+            seen[name] = (type(e).__name__, str(e), step)
+        model.train()
     return seen
 
 
