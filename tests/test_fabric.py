@@ -8,6 +8,8 @@ tests/scripts/fabric_one_rank.py loads the 2-rank checkpoint on one rank.
 
 from __future__ import annotations
 
+import gc
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,10 @@ from lightning_torchrec import (
     TorchRecFabricStrategy,
     dense_parameters,
 )
+from lightning_torchrec.compat.lightning_fabric import ReportingLauncher
 from lightning_torchrec.data import SyntheticClickDataset
+from lightning_torchrec.fabric import failures
+from lightning_torchrec.fabric.failures import FabricFailures
 from lightning_torchrec.fabric.strategy import TorchRecFabricStrategy as Direct
 from lightning_torchrec.models.dlrm import dlrm_click_model
 from tests.helpers import assert_same, load_ranks, one_rank_group, run_script  # noqa: F401
@@ -145,6 +150,18 @@ def test_a_rank_still_evaluating_when_another_trains_on_raises_uneven_data_every
     assert all(told in s[1] for s in seen)
 
 
+def test_a_users_uncaught_error_on_one_rank_is_raised_by_type_on_the_other(run: Path) -> None:
+    # Rank 0 raised a PeerFailureError that could only say "another rank probably died".
+    failed = torch.load(run / "user_error_rank1.pt", weights_only=False)
+    assert failed == {"error": "Boom"}  # rank 1 ended through sys.excepthook
+    peer = torch.load(run / "user_error_rank0.pt", weights_only=False)
+    assert peer["error"] == "Boom" and peer["boom"] and peer["peer_failure"], peer
+    assert (
+        "stopped because another rank failed: rank 1 raised Boom at Fabric step 2: a bug in "
+        "rank 1's loss code at step 2 (seen here as: "
+    ) in peer["message"]
+
+
 ROWS = [20, 20]
 
 
@@ -250,3 +267,74 @@ def test_the_loops_collectives_name_a_dead_peer(
     monkeypatch.setattr(DDPStrategy, name, dead_peer)
     with pytest.raises(PeerFailureError, match="another rank probably died"):
         getattr(TorchRecFabricStrategy(), name)(*args)
+
+
+class Failing(FabricFailures):
+    """The failure reports of the strategy over a base without a process group."""
+
+    global_rank, world_size, collective_timeout, step, _dmp = 1, 2, None, 3, None
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+
+    def teardown(self) -> None:
+        super().teardown()
+
+
+class NoGroup:
+    def setup_environment(self) -> None:
+        pass
+
+    def teardown(self) -> None:
+        pass
+
+
+class FailingStrategy(Failing, NoGroup):
+    pass
+
+
+def test_the_strategy_reports_an_uncaught_error_while_set_up_and_only_then(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    printed: list[BaseException] = []
+    posted: list[tuple[BaseException, str, int]] = []
+    monkeypatch.setattr(sys, "excepthook", lambda kind, error, tb: printed.append(error))
+    monkeypatch.setattr(
+        failures, "post", lambda error, where, rank: posted.append((error, where, rank))
+    )
+    before = sys.excepthook
+    strategy = FailingStrategy()
+    strategy.setup_environment()
+    bug = KeyError("user_id")
+    sys.excepthook(KeyError, bug, None)  # what Python does with an error nobody caught
+    assert posted == [(bug, "Fabric step 3", 1)] and printed == [bug]  # reported, then printed
+    strategy.teardown()
+    assert sys.excepthook is before  # restored
+    # A strategy never torn down takes its hook out when it is collected.
+    strategy = FailingStrategy()
+    strategy.setup_environment()
+    assert sys.excepthook is not before
+    del strategy
+    gc.collect()
+    assert sys.excepthook is before
+
+
+def test_a_function_launched_with_fork_or_spawn_reports_its_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # torch's process wrapper catches it before sys.excepthook could see it.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    fabric = L.Fabric(strategy="torchrec_fork", accelerator="cpu", devices=2)  # not launched
+    strategy = fabric.strategy
+    assert isinstance(strategy.launcher, ReportingLauncher)
+    reported: list[BaseException] = []
+    monkeypatch.setattr(strategy, "report_failure", reported.append)
+    bug = ValueError("a bug in the loop")
+
+    def loop() -> None:
+        raise bug
+
+    with pytest.raises(ValueError, match="a bug in the loop"):
+        strategy.launcher._wrapping_function(0, loop, (), {}, None)
+    assert reported == [bug]

@@ -28,6 +28,7 @@ from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from typing_extensions import override
 
+from lightning_torchrec.compat.lightning_fabric import ReportingLaunching
 from lightning_torchrec.compat.worker_fork import fork_safely
 from lightning_torchrec.distributed import init_elastic_group, shutdown_at_exit
 from lightning_torchrec.fabric.checkpointing import FabricCheckpointing
@@ -37,6 +38,7 @@ from lightning_torchrec.fabric.checks import (
     combine_fabric_optimizer,
 )
 from lightning_torchrec.fabric.collectives import FabricCollectives
+from lightning_torchrec.fabric.failures import FabricFailures
 from lightning_torchrec.fabric.steps import FabricSteps
 from lightning_torchrec.sharding.plan_summary import PlanSummary
 from lightning_torchrec.sharding.planning import ShardingConfig, shard_model
@@ -50,7 +52,14 @@ from lightning_torchrec.training.step_runner import BATCH_CHECKS, StepRunner
 MIXED_DEVICES_WARNING = r"The model passed to `Fabric.setup\(\)` has \d+ parameters on different"
 
 
-class TorchRecFabricStrategy(FabricCheckpointing, FabricSteps, FabricCollectives, DDPStrategy):
+class TorchRecFabricStrategy(
+    ReportingLaunching,
+    FabricCheckpointing,
+    FabricFailures,
+    FabricSteps,
+    FabricCollectives,
+    DDPStrategy,
+):
     """Fabric training of a TorchRec model with sharded tables, in the user's own loop.
 
     ``L.Fabric(strategy="torchrec", accelerator=..., devices=..., num_nodes=...)`` selects it
@@ -62,7 +71,9 @@ class TorchRecFabricStrategy(FabricCheckpointing, FabricSteps, FabricCollectives
     training or evaluation, first runs the agreed checks of :class:`StepGuard` (the batch against
     the tables, the previous step's loss) in one small collective, so a bad batch or a NaN loss
     on one rank raises the same named error on every rank (:mod:`.steps`); the fused LR is pushed
-    into the kernels before a training forward. ``fabric.save``/``fabric.load`` write and read the
+    into the kernels before a training forward. An error that one rank raises and does not catch
+    is written to the job's store before that rank exits, and the other ranks raise an error of
+    its type that names it (:mod:`.failures`). ``fabric.save``/``fabric.load`` write and read the
     same sharded checkpoints as the Trainer's ``TorchRecStrategy``.
 
     Args:

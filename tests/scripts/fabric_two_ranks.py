@@ -10,15 +10,20 @@ both learning rates halved every ``HALVE`` steps by one ``StepLR``):
    ``fabric_from_trainer``: Fabric loads the Trainer's final checkpoint;
 6. ``faults``: on rank 1 only, a bad batch; a bad batch in the second of two forwards of one
    step (called by keyword); one batch more than rank 0; a NaN loss; a bad batch in an
-   evaluation (``model.eval()``); one evaluation batch more than rank 0.
+   evaluation (``model.eval()``); one evaluation batch more than rank 0;
+7. ``user_error``, last: rank 1 raises an error of the user's own in its loop and does not catch
+   it (Python hands it to ``sys.excepthook``; the script's own hook then ends rank 1 with exit
+   code 0, so that Fabric's launcher leaves rank 0 alone); rank 0 records what it raised.
 
 Each rank writes ``{phase}_rank{r}.pt`` (losses, local weights, what it raised) into argv[1].
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +43,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_torchrec import (
     DLRMClickModule,
+    PeerFailureError,
     TorchRecFabricStrategy,
     TorchRecStrategy,
     dense_parameters,
@@ -278,7 +284,46 @@ def faults(fabric: L.Fabric) -> dict[str, Any]:
     return seen
 
 
+class Boom(ValueError):
+    """A user's own error (a bug in rank 1's loss code)."""
+
+
+def user_error(fabric: L.Fabric) -> None:
+    """Rank 1 raises ``Boom`` in its loop and does not catch it; rank 0 records what it raised."""
+    model = fabric.setup_module(Click())
+    optimizer = fabric.setup_optimizers(torch.optim.Adam(dense_parameters(model), lr=LR))
+    rank, seen = fabric.global_rank, {}
+    try:
+        for step, batch in enumerate(batches(rank)):
+            optimizer.zero_grad()
+            loss, _ = model(batch)
+            if rank == 1 and step == 2:
+                raise Boom(f"a bug in rank 1's loss code at step {step}")
+            fabric.backward(loss)
+            optimizer.step()
+    except Exception as e:
+        if rank == 1:
+            raise  # its own Boom: nobody catches it (see `exit_quietly`)
+        seen = {"error": type(e).__name__, "message": str(e), "boom": isinstance(e, Boom)}
+        seen["peer_failure"] = isinstance(e, PeerFailureError)
+    save("user_error", seen)
+
+
+def exit_quietly(kind: type, error: BaseException, tb: Any) -> None:
+    """The script's ``sys.excepthook`` (the strategy's wraps it): rank 1's ``Boom`` exits 0."""
+    if not isinstance(error, Boom):
+        sys.__excepthook__(kind, error, tb)
+        return
+    traceback.print_exception(kind, error, tb)
+    rank = dist.get_rank()
+    torch.save({"error": kind.__name__}, OUT / f"user_error_rank{rank}.pt")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(0)  # Fabric's launcher would kill rank 0 on a non-zero exit code
+
+
 def main() -> None:
+    sys.excepthook = exit_quietly
     strategy = TorchRecFabricStrategy(constraints=table_wise(TABLES), fused_params=FUSED)
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch()
@@ -297,6 +342,7 @@ def main() -> None:
     save("trainer_resume", trainer_run(start=K))
     save("fabric_from_trainer", fabric_from_trainer(fabric))
     save("faults", faults(fabric))
+    user_error(fabric)
 
 
 if __name__ == "__main__":
