@@ -151,14 +151,15 @@ def test_a_rank_still_evaluating_when_another_trains_on_raises_uneven_data_every
 
 
 def test_a_users_uncaught_error_on_one_rank_is_raised_by_type_on_the_other(run: Path) -> None:
-    # Rank 0 raised a PeerFailureError that could only say "another rank probably died".
+    # Rank 0 raised a PeerFailureError that could only say "another rank probably died"; waiting
+    # in the forward's all-to-all, it raised gloo's bare RuntimeError.
     failed = torch.load(run / "user_error_rank1.pt", weights_only=False)
     assert failed == {"error": "Boom"}  # rank 1 ended through sys.excepthook
     peer = torch.load(run / "user_error_rank0.pt", weights_only=False)
     assert peer["error"] == "Boom" and peer["boom"] and peer["peer_failure"], peer
     assert (
         "stopped because another rank failed: rank 1 raised Boom at Fabric step 2: a bug in "
-        "rank 1's loss code at step 2 (seen here as: "
+        "rank 1's forward at step 2 (seen here as: "
     ) in peer["message"]
 
 

@@ -52,6 +52,25 @@ class FabricSteps:
             self._check(inputs[0] if len(inputs) == 1 else inputs, explicit=False)
         self._prechecked = False
 
+    def _name_dead_peers_in_forward(self, module: nn.Module) -> None:
+        """The set-up module's forward runs under ``run_collective``, as the Trainer's step does.
+
+        Its collectives (the sparse features' all-to-all) wait for every rank: a rank that failed
+        in its own forward (an error in the user's model code before the all-to-all) would leave
+        the others with gloo's bare "Connection closed by peer" instead of a
+        ``PeerFailureError`` that names it.
+
+        Args:
+            module: the ``DistributedModelParallel`` (its forward is replaced on the instance;
+                hooks still run around it).
+        """
+        forward = module.forward
+
+        def named(*args: Any, **kwargs: Any) -> Any:
+            return self._collective(forward, *args, **kwargs)
+
+        module.forward = named  # type: ignore[method-assign]
+
     def check_batch(self, batch: Any, last: bool = False) -> None:
         """The agreed checks of the coming forward; call before it. Collective.
 

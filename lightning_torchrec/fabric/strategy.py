@@ -254,6 +254,7 @@ class TorchRecFabricStrategy(
                 batch_checks=self.batch_checks,
             )
             sharded.dmp.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+            self._name_dead_peers_in_forward(sharded.dmp)
         return sharded.dmp
 
     @override

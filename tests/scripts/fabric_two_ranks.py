@@ -11,9 +11,10 @@ both learning rates halved every ``HALVE`` steps by one ``StepLR``):
 6. ``faults``: on rank 1 only, a bad batch; a bad batch in the second of two forwards of one
    step (called by keyword); one batch more than rank 0; a NaN loss; a bad batch in an
    evaluation (``model.eval()``); one evaluation batch more than rank 0;
-7. ``user_error``, last: rank 1 raises an error of the user's own in its loop and does not catch
-   it (Python hands it to ``sys.excepthook``; the script's own hook then ends rank 1 with exit
-   code 0, so that Fabric's launcher leaves rank 0 alone); rank 0 records what it raised.
+7. ``user_error``, last: rank 1 raises an error of the user's own in its model's forward (before
+   the sparse all-to-all that rank 0 then waits in) and does not catch it (Python hands it to
+   ``sys.excepthook``; the script's own hook then ends rank 1 with exit code 0, so that Fabric's
+   launcher leaves rank 0 alone); rank 0 records what it raised.
 
 Each rank writes ``{phase}_rank{r}.pt`` (losses, local weights, what it raised) into argv[1].
 """
@@ -285,20 +286,30 @@ def faults(fabric: L.Fabric) -> dict[str, Any]:
 
 
 class Boom(ValueError):
-    """A user's own error (a bug in rank 1's loss code)."""
+    """A user's own error (a bug in rank 1's model code)."""
+
+
+class Buggy(Click):
+    """Its forward raises ``Boom`` on rank 1 at step 2, before the sparse features' all-to-all."""
+
+    calls = 0
+
+    def forward(self, batch: Any) -> Any:
+        step, self.calls = self.calls, self.calls + 1
+        if dist.get_rank() == 1 and step == 2:
+            raise Boom(f"a bug in rank 1's forward at step {step}")
+        return super().forward(batch)
 
 
 def user_error(fabric: L.Fabric) -> None:
     """Rank 1 raises ``Boom`` in its loop and does not catch it; rank 0 records what it raised."""
-    model = fabric.setup_module(Click())
+    model = fabric.setup_module(Buggy())
     optimizer = fabric.setup_optimizers(torch.optim.Adam(dense_parameters(model), lr=LR))
     rank, seen = fabric.global_rank, {}
     try:
-        for step, batch in enumerate(batches(rank)):
+        for batch in batches(rank):
             optimizer.zero_grad()
             loss, _ = model(batch)
-            if rank == 1 and step == 2:
-                raise Boom(f"a bug in rank 1's loss code at step {step}")
             fabric.backward(loss)
             optimizer.step()
     except Exception as e:
