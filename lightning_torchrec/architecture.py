@@ -16,8 +16,8 @@ A *layer* is a subpackage (``sharding``, ``training``, ...) or a top-level modul
    serve a Fabric loop as well). The core may use ``lightning.fabric``.
 4. Private names of torch, TorchRec, fbgemm and Lightning appear only in ``compat``; Lightning's
    only in ``compat.lightning`` and its siblings (``compat.lightning_callbacks``,
-   ``compat.lightning_loops``, ``compat.lightning_batches``),
-   which only the glue imports.
+   ``compat.lightning_loops``, ``compat.lightning_batches``, ``compat.lightning_fabric``),
+   which only the glue (Trainer and Fabric) imports.
 5. No module imports another module's private (``_``) name; every import is at module level.
 """
 
@@ -51,10 +51,11 @@ LAYERS: tuple[Layer, ...] = (
     Layer(
         "compat",
         "every private or version-sensitive name of torch, TorchRec, fbgemm (``upstream``) and "
-        "Lightning (``lightning``); TorchRec's train pipelines cut where a loop takes over "
-        "(``pipelines``); the upstream-only warnings, each with its cause (``upstream_warnings``); "
-        "loader workers forked around CPython's fork deadlock before 3.12 (``worker_fork``); the "
-        "job's store and collective counts (``c10d``); the optimizers "
+        "Lightning (``lightning``; Fabric's launcher: ``lightning_fabric``); TorchRec's train "
+        "pipelines cut where a loop takes over (``pipelines``); the upstream-only warnings, each "
+        "with its cause (``upstream_warnings``); loader workers forked around CPython's fork "
+        "deadlock before 3.12 (``worker_fork``); the job's store and collective counts "
+        "(``c10d``); the optimizers "
         "``apply_optimizer_in_backward`` leaves on parameters and the tables of fused kernels "
         "(``fused``); the collections feature processors wrap (``feature_processors``)",
         ("errors",),
@@ -155,7 +156,7 @@ APP_MODULES = (
 )
 
 #: The only layers that may import ``compat.lightning*`` (Lightning's private names).
-LIGHTNING_PRIVATE_USERS = ("lightning", "app")
+LIGHTNING_PRIVATE_USERS = ("lightning", "fabric", "app")
 
 
 def layer_of(module: str) -> str:

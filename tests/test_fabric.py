@@ -8,6 +8,8 @@ tests/scripts/fabric_one_rank.py loads the 2-rank checkpoint on one rank.
 
 from __future__ import annotations
 
+import gc
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +19,16 @@ import torch
 from lightning.fabric.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
-from lightning_torchrec import PeerFailureError, TorchRecFabricStrategy, dense_parameters
+from lightning_torchrec import (
+    BatchValidationError,
+    PeerFailureError,
+    TorchRecFabricStrategy,
+    dense_parameters,
+)
+from lightning_torchrec.compat.lightning_fabric import ReportingLauncher
 from lightning_torchrec.data import SyntheticClickDataset
+from lightning_torchrec.fabric import failures
+from lightning_torchrec.fabric.failures import FabricFailures
 from lightning_torchrec.fabric.strategy import TorchRecFabricStrategy as Direct
 from lightning_torchrec.models.dlrm import dlrm_click_model
 from tests.helpers import assert_same, load_ranks, one_rank_group, run_script  # noqa: F401
@@ -103,6 +113,8 @@ def test_reshard_two_ranks_to_one(run: Path) -> None:
         ("bad_batch", "BatchValidationError", 2),
         ("nan_loss", "NonFiniteLossError", 4),
         ("second_forward", "BatchValidationError", 2),  # every forward is checked
+        # An evaluation forward read the bad id as row 0 and raised nothing (wrong metrics).
+        ("eval_bad_batch", "BatchValidationError", 2),
     ],
 )
 def test_one_rank_fault_raises_the_same_named_error_everywhere(
@@ -127,6 +139,30 @@ def test_a_rank_still_training_when_another_finishes_raises_uneven_data_everywhe
     assert all("rank(s) [0] have" in s[1] and "rank(s) [1] have more" in s[1] for s in seen)
 
 
+def test_a_rank_still_evaluating_when_another_trains_on_raises_uneven_data_everywhere(
+    run: Path,
+) -> None:
+    # Rank 1's fifth evaluation forward met rank 0's next training step: no hang, one error.
+    seen = [r["eval_uneven"] for r in load_ranks(run, "faults")]
+    assert [s[0] for s in seen] == ["UnevenDataError", "UnevenDataError"]
+    assert [s[2] for s in seen] == [3, 4]  # rank 0 after its last evaluation batch, rank 1 in it
+    told = "rank(s) [1] ran an evaluation forward while rank(s) [0] had ended their evaluation"
+    assert all(told in s[1] for s in seen)
+
+
+def test_a_users_uncaught_error_on_one_rank_is_raised_by_type_on_the_other(run: Path) -> None:
+    # Rank 0 raised a PeerFailureError that could only say "another rank probably died"; waiting
+    # in the forward's all-to-all, it raised gloo's bare RuntimeError.
+    failed = torch.load(run / "user_error_rank1.pt", weights_only=False)
+    assert failed == {"error": "Boom"}  # rank 1 ended through sys.excepthook
+    peer = torch.load(run / "user_error_rank0.pt", weights_only=False)
+    assert peer["error"] == "Boom" and peer["boom"] and peer["peer_failure"], peer
+    assert (
+        "stopped because another rank failed: rank 1 raised Boom at Fabric step 2: a bug in "
+        "rank 1's forward at step 2 (seen here as: "
+    ) in peer["message"]
+
+
 ROWS = [20, 20]
 
 
@@ -149,6 +185,31 @@ def train(fabric: L.Fabric, model: Any, optimizers: list[Any], schedulers: list[
         fabric.backward(model(batch)[0])
         for stepper in (*optimizers, *schedulers):
             stepper.step()
+
+
+@pytest.mark.usefixtures("one_rank_group")
+@pytest.mark.parametrize(
+    ("options", "raised"),
+    [({}, True), ({"validate_batches": 1}, False), ({"validate_batches": False}, False)],
+)
+def test_an_evaluation_forward_is_checked_as_validate_batches_says(
+    options: dict[str, Any], raised: bool
+) -> None:
+    # In eval() mode the id 20 of a 20-row table was read as row 0: no error, wrong outputs.
+    fabric, unsharded = one_rank_fabric(**options)
+    model = fabric.setup_module(unsharded)
+    first, second = DataLoader(SyntheticClickDataset(ROWS, 2, 4), batch_size=None)
+    values = second.sparse_features.values()
+    values[0] = 20
+    model.eval()
+    with torch.no_grad():
+        model(first)
+        if raised:
+            with pytest.raises(BatchValidationError, match="evaluation forward 1 after step 0"):
+                model(second)
+        else:
+            model(second)  # the first forward only (validate_batches=1), or none
+    model.train()
 
 
 @pytest.mark.usefixtures("one_rank_group")
@@ -207,3 +268,74 @@ def test_the_loops_collectives_name_a_dead_peer(
     monkeypatch.setattr(DDPStrategy, name, dead_peer)
     with pytest.raises(PeerFailureError, match="another rank probably died"):
         getattr(TorchRecFabricStrategy(), name)(*args)
+
+
+class Failing(FabricFailures):
+    """The failure reports of the strategy over a base without a process group."""
+
+    global_rank, world_size, collective_timeout, step, _dmp = 1, 2, None, 3, None
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+
+    def teardown(self) -> None:
+        super().teardown()
+
+
+class NoGroup:
+    def setup_environment(self) -> None:
+        pass
+
+    def teardown(self) -> None:
+        pass
+
+
+class FailingStrategy(Failing, NoGroup):
+    pass
+
+
+def test_the_strategy_reports_an_uncaught_error_while_set_up_and_only_then(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    printed: list[BaseException] = []
+    posted: list[tuple[BaseException, str, int]] = []
+    monkeypatch.setattr(sys, "excepthook", lambda kind, error, tb: printed.append(error))
+    monkeypatch.setattr(
+        failures, "post", lambda error, where, rank: posted.append((error, where, rank))
+    )
+    before = sys.excepthook
+    strategy = FailingStrategy()
+    strategy.setup_environment()
+    bug = KeyError("user_id")
+    sys.excepthook(KeyError, bug, None)  # what Python does with an error nobody caught
+    assert posted == [(bug, "Fabric step 3", 1)] and printed == [bug]  # reported, then printed
+    strategy.teardown()
+    assert sys.excepthook is before  # restored
+    # A strategy never torn down takes its hook out when it is collected.
+    strategy = FailingStrategy()
+    strategy.setup_environment()
+    assert sys.excepthook is not before
+    del strategy
+    gc.collect()
+    assert sys.excepthook is before
+
+
+def test_a_function_launched_with_fork_or_spawn_reports_its_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # torch's process wrapper catches it before sys.excepthook could see it.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    fabric = L.Fabric(strategy="torchrec_fork", accelerator="cpu", devices=2)  # not launched
+    strategy = fabric.strategy
+    assert isinstance(strategy.launcher, ReportingLauncher)
+    reported: list[BaseException] = []
+    monkeypatch.setattr(strategy, "report_failure", reported.append)
+    bug = ValueError("a bug in the loop")
+
+    def loop() -> None:
+        raise bug
+
+    with pytest.raises(ValueError, match="a bug in the loop"):
+        strategy.launcher._wrapping_function(0, loop, (), {}, None)
+    assert reported == [bug]

@@ -131,7 +131,7 @@ def test_votes_ahead_of_cpu_ranks_run_on_the_default_group_the_others_on_the_hos
     )
     guard = runner.guard
     guard.carries_stop = True
-    world.peer_votes = [False, False, False, False]
+    world.peer_votes = [False, False, False, False, False]
     guard.before_training_step(None, 0, 0, last=False)  # the first step votes before its forward
     guard.vote_ahead(None, batch_idx=0, last=False)  # decided after the step: no peer holds it
     guard.decide_ahead()
@@ -145,7 +145,7 @@ def test_votes_ahead_of_cpu_ranks_run_on_the_default_group_the_others_on_the_hos
     guard = StepRunner(
         nn.Linear(1, 1), torch.device("cpu"), specs={}, dense_width=None, group=host
     ).guard
-    world.peer_votes, world.groups = [False, False, False, False], []
+    world.peer_votes, world.groups = [False, False, False, False, False], []
     guard.vote_ahead(None, batch_idx=0, last=False)
     guard.decide_ahead()
     assert world.groups == [host]
@@ -157,15 +157,15 @@ def test_the_vote_ahead_runs_during_the_step_and_is_decided_before_any_other_vot
     world = FakeWorld(monkeypatch)
     guard = StepGuard("raise")
     guard.carries_stop = True
-    # slots: the next batch, this step's loss; flags: no batch after this one, stop
-    world.peer_votes = [False, False, False, True]
+    # slots: the next batch, this step's loss; flags: no batch after this one, stop, evaluating
+    world.peer_votes = [False, False, False, True, False]
     guard.record_loss(torch.tensor(0.5), 3)
     guard.vote_ahead(None, batch_idx=3, last=False)
     assert (world.started, world.waited) == (1, 0)
     assert guard.decide_ahead() == [1]  # the peer asked to stop
     assert guard.decide_ahead() is None  # decided once
     # A NaN loss of this step stops every rank when the vote is decided.
-    world.peer_votes = [False, False, False, False]
+    world.peer_votes = [False, False, False, False, False]
     guard.record_loss(torch.tensor(float("nan")), 4)
     guard.vote_ahead(None, batch_idx=4, last=False)
     with pytest.raises(NonFiniteLossError, match="global step 4"):
@@ -175,7 +175,7 @@ def test_the_vote_ahead_runs_during_the_step_and_is_decided_before_any_other_vot
     with pytest.raises(UnevenDataError, match=r"rank\(s\) \[0\] have 6"):
         guard.decide_ahead()
     # A checkpoint's vote leaves it running; an evaluation step decides it first.
-    world.peer_votes = [False, False, False, True]
+    world.peer_votes = [False, False, False, True, False]
     guard.vote_ahead(None, batch_idx=6, last=False)
     world.peer_votes = [False]
     guard.settle()
@@ -183,6 +183,30 @@ def test_the_vote_ahead_runs_during_the_step_and_is_decided_before_any_other_vot
     world.peer_votes = [False, False]
     guard.before_eval_step(None, "validation", 0, last=False)
     assert world.waited == 4 and guard.decide_ahead() is None
+
+
+def test_a_loops_evaluation_vote_meets_a_training_vote_and_both_name_the_uneven_data(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A Fabric rank with an evaluation batch more than its peer: its vote must have the layout
+    # of the peer's next training vote (else the two all_reduces mismatch and hang).
+    world = FakeWorld(monkeypatch)
+    guard = StepGuard("raise")
+    # slots: the batch, the last loss; flags: no batch after this one, stop, evaluating
+    world.peer_votes = [False, False, False, False, True]  # the peer evaluates, this rank trains
+    with pytest.raises(UnevenDataError, match=r"rank\(s\) \[1\] ran an evaluation forward"):
+        guard.check(None, batch_checked=True)
+    world.peer_votes = [False, False, False, False, False]  # this rank evaluates, the peer trains
+    with pytest.raises(UnevenDataError, match=r"while rank\(s\) \[1\] had ended"):
+        guard.before_loop_eval(None, "evaluation forward 4 after step 6", 4)
+    world.peer_votes = [False, False, False, False, True]  # both evaluate: fine
+    guard.record_loss(torch.tensor(float("nan")), 6)  # judged before the evaluation's metrics
+    with pytest.raises(NonFiniteLossError, match="global step 6"):
+        guard.before_loop_eval(None, "evaluation forward 0 after step 7", 0)
+    guard.before_loop_eval(None, "evaluation forward 1 after step 7", 1)
+    world.peer_votes = [False, False, False, False, True]  # the peer has more batches
+    with pytest.raises(UnevenDataError, match=r"evaluation batches .*rank\(s\) \[0\] have 3"):
+        guard.before_loop_eval(None, "evaluation forward 2 after step 7", 2, last=True)
 
 
 def test_every_vote_keeps_its_tensors_until_the_next_vote(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -195,7 +219,7 @@ def test_every_vote_keeps_its_tensors_until_the_next_vote(monkeypatch: pytest.Mo
     )
     guard = StepGuard("raise")
     guard.carries_stop = True
-    world.peer_votes = [False, False, False, False]
+    world.peer_votes = [False, False, False, False, False]
     guard.before_training_step(None, 0, 0, last=False)  # decided at once
     gc.collect()
     assert seen[0]() is not None  # still held after it was decided

@@ -28,6 +28,7 @@ from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from typing_extensions import override
 
+from lightning_torchrec.compat.lightning_fabric import ReportingLaunching
 from lightning_torchrec.compat.worker_fork import fork_safely
 from lightning_torchrec.distributed import init_elastic_group, shutdown_at_exit
 from lightning_torchrec.fabric.checkpointing import FabricCheckpointing
@@ -37,6 +38,8 @@ from lightning_torchrec.fabric.checks import (
     combine_fabric_optimizer,
 )
 from lightning_torchrec.fabric.collectives import FabricCollectives
+from lightning_torchrec.fabric.failures import FabricFailures
+from lightning_torchrec.fabric.steps import FabricSteps
 from lightning_torchrec.sharding.plan_summary import PlanSummary
 from lightning_torchrec.sharding.planning import ShardingConfig, shard_model
 from lightning_torchrec.sharding.sharders import has_fused_tables
@@ -49,7 +52,14 @@ from lightning_torchrec.training.step_runner import BATCH_CHECKS, StepRunner
 MIXED_DEVICES_WARNING = r"The model passed to `Fabric.setup\(\)` has \d+ parameters on different"
 
 
-class TorchRecFabricStrategy(FabricCheckpointing, FabricCollectives, DDPStrategy):
+class TorchRecFabricStrategy(
+    ReportingLaunching,
+    FabricCheckpointing,
+    FabricFailures,
+    FabricSteps,
+    FabricCollectives,
+    DDPStrategy,
+):
     """Fabric training of a TorchRec model with sharded tables, in the user's own loop.
 
     ``L.Fabric(strategy="torchrec", accelerator=..., devices=..., num_nodes=...)`` selects it
@@ -57,12 +67,14 @@ class TorchRecFabricStrategy(FabricCheckpointing, FabricCollectives, DDPStrategy
     on rank 0 and wraps the model in ``DistributedModelParallel`` (tables built on the meta
     device exist only as shards); ``fabric.setup_optimizers(opt)`` combines an optimizer over
     ``lightning_torchrec.dense_parameters(model)`` with the fused embedding optimizer, so
-    ``step()``, ``zero_grad()``, LR schedulers and ``state_dict()`` cover both. Every training
-    forward first runs the agreed checks of :class:`StepGuard` (the batch against the tables, the
-    previous step's loss) in one small collective, so a bad batch or a NaN loss on one rank
-    raises the same named error on every rank; the fused LR is pushed into the kernels before
-    it. ``fabric.save``/``fabric.load`` write and read the same sharded checkpoints as the
-    Trainer's ``TorchRecStrategy``.
+    ``step()``, ``zero_grad()``, LR schedulers and ``state_dict()`` cover both. Every forward,
+    training or evaluation, first runs the agreed checks of :class:`StepGuard` (the batch against
+    the tables, the previous step's loss) in one small collective, so a bad batch or a NaN loss
+    on one rank raises the same named error on every rank (:mod:`.steps`); the fused LR is pushed
+    into the kernels before a training forward. An error that one rank raises and does not catch
+    is written to the job's store before that rank exits, and the other ranks raise an error of
+    its type that names it (:mod:`.failures`). ``fabric.save``/``fabric.load`` write and read the
+    same sharded checkpoints as the Trainer's ``TorchRecStrategy``.
 
     Args:
         sharders: TorchRec sharders; defaults to TorchRec's with ``fused_params``.
@@ -75,17 +87,18 @@ class TorchRecFabricStrategy(FabricCheckpointing, FabricCollectives, DDPStrategy
         log_plan: print the plan on rank 0 after sharding.
         load_optimizer_states: False loads weights, hyper-parameters and step counters with fresh
             optimizer state (needed after a plan change that reshapes the fused state).
-        validate_batches: check each training batch against the tables before its forward (ids
-            in range, known keys, lengths, dtypes, finite dense features); an int ``N`` checks
-            the first ``N`` steps only, False never.
+        validate_batches: check each batch against the tables before its forward (ids in range,
+            known keys, lengths, dtypes, finite dense features), in training and in evaluation;
+            an int ``N`` checks the first ``N`` steps (and the first ``N`` forwards of each
+            evaluation) only, False never.
         on_nonfinite_loss: ``"raise"``: a NaN/inf loss on any rank raises
             ``NonFiniteLossError`` on every rank at the next step's check (or at
             :meth:`finish`); ``"ignore"``.
         check_finite_checkpoints: refuse to save NaN/inf weights or optimizer state.
         batch_checks: ``"auto"``, ``"before_forward"`` or ``"next_step"`` (see
             ``TorchRecStrategy``).
-        check_in_forward: run :meth:`check_batch` automatically before every training forward
-            of the set-up module (False: the loop calls it).
+        check_in_forward: run :meth:`check_batch` automatically before every forward of the
+            set-up module, training or evaluation (False: the loop calls it).
         accelerator: see Fabric's ``DDPStrategy``.
         parallel_devices: see Fabric's ``DDPStrategy``.
         cluster_environment: see Fabric's ``DDPStrategy``.
@@ -152,7 +165,6 @@ class TorchRecFabricStrategy(FabricCheckpointing, FabricCollectives, DDPStrategy
         self.check_in_forward = check_in_forward
         self.collective_timeout = timeout
         self.step = 0
-        self._prechecked = False  # check_batch was called for the coming forward
         self._host_group: Any = None
         self._runner: StepRunner | None = None
         self._dmp: DistributedModelParallel | None = None
@@ -226,6 +238,7 @@ class TorchRecFabricStrategy(FabricCheckpointing, FabricCollectives, DDPStrategy
             rank_zero_info(f"TorchRec sharding plan ({sharded.summary.world_size} ranks):\n{text}")
         if first:  # a new model: its own steps, optimizers and checks
             self.step, self._prechecked, self._optimizers = 0, False, []
+            self._evaluated = 0
             if self._runner is not None:
                 self._runner.close()
             self._runner = StepRunner(
@@ -241,6 +254,7 @@ class TorchRecFabricStrategy(FabricCheckpointing, FabricCollectives, DDPStrategy
                 batch_checks=self.batch_checks,
             )
             sharded.dmp.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+            self._name_dead_peers_in_forward(sharded.dmp)
         return sharded.dmp
 
     @override
@@ -294,77 +308,6 @@ class TorchRecFabricStrategy(FabricCheckpointing, FabricCollectives, DDPStrategy
     def process_dataloader(self, dataloader: Any) -> Any:
         fork_safely(dataloader)  # forked workers start after gloo's threads gave the GIL back
         return dataloader
-
-    # ------------------------------------------------------------------ the step
-    def _before_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: Any) -> None:
-        if not module.training:
-            return
-        for optimizer in self._optimizers:
-            # The fused kernels read the LR during backward; a scheduler's change made after the
-            # last step must reach them before this forward.
-            optimizer.push_fused_lr()
-        if self.check_in_forward and not self._prechecked:  # every forward (several a step too)
-            inputs = (*args, *kwargs.values())  # model(batch) or model(batch=batch)
-            self._check(inputs[0] if len(inputs) == 1 else inputs)
-        self._prechecked = False
-
-    def check_batch(self, batch: Any, last: bool = False) -> None:
-        """The agreed checks of the coming training step; call before its forward. Collective.
-
-        One small collective decides whether any rank's batch is bad (ids out of range, unknown
-        keys, bad lengths or dtypes, non-finite dense features) and whether any rank's previous
-        loss was NaN/inf. Runs by itself before every training forward unless
-        ``check_in_forward=False``; calling it first makes the next forward skip it.
-
-        Args:
-            batch: this rank's batch.
-            last: whether this rank has no batch after this one (ranks that disagree raise
-                ``UnevenDataError``).
-
-        Raises:
-            BatchValidationError: on every rank, naming the rank and step, when some rank's
-                batch is bad.
-            NonFiniteLossError: on every rank when some rank's previous loss was NaN/inf.
-            RuntimeError: before ``setup_module``.
-        """
-        self._check(batch, last)
-        self._prechecked = True
-
-    def _check(self, batch: Any, last: bool = False) -> None:
-        runner = self._require_runner()
-        step = self.step
-        guard = runner.guard
-        runner.collective(guard.before_training_step, batch, step, step, last, None, batch)
-
-    def finish(self) -> None:
-        """Judges the last step's loss on every rank; call once after the training loop.
-
-        Raises:
-            NonFiniteLossError: on every rank when some rank's last loss was NaN/inf.
-            UnevenDataError: on every rank when another rank is still training.
-        """
-        runner = self._require_runner()
-        runner.collective(runner.guard.flush, self.step)
-
-    def _require_runner(self) -> StepRunner:
-        if self._runner is None:
-            raise RuntimeError("call `fabric.setup_module(model)` (or `fabric.setup`) first")
-        return self._runner
-
-    def _push_fused_lr(self) -> None:
-        for optimizer in self._optimizers:
-            optimizer.push_fused_lr()
-
-    @override
-    def backward(
-        self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kw: Any
-    ) -> None:
-        # The loss is judged at the next step's vote; the backward runs collectives too (the
-        # sparse all-to-all, the dense all-reduce) and updates the fused tables.
-        if self._runner is not None and (module is None or module.training):
-            self._runner.guard.record_loss(tensor, self.step)
-            self.step += 1
-        self._collective(super().backward, tensor, module, *args, **kw)
 
     # ------------------------------------------------------------------ teardown
     @override

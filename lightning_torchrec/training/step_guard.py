@@ -27,7 +27,7 @@ from lightning_torchrec.sharding.features import FeatureSpec
 from lightning_torchrec.training.batch_checks import check_batch
 from lightning_torchrec.training.device_checks import DeferredVerdict
 from lightning_torchrec.training.finite import loss_to_judge, nonfinite_loss_error
-from lightning_torchrec.training.uneven_data import check_even
+from lightning_torchrec.training.uneven_data import check_even, check_in_step
 from lightning_torchrec.training.worker_checks import UNCHECKED, VERDICT_ATTRIBUTE, worker_verdict
 
 
@@ -86,7 +86,15 @@ class StepGuard:
         self._ahead: tuple[Callable[[], list[list[int]]], int] | None = None
         self._decided: Any = None
 
-    def _checks(self, index: int) -> bool:
+    def checks(self, index: int) -> bool:
+        """Whether ``validate_batches`` checks the batch of step (or evaluation batch) ``index``.
+
+        Args:
+            index: the global step, or the batch's index in an evaluation.
+
+        Returns:
+            True for every index with ``True``, the first ``N`` with ``N``, none with ``False``.
+        """
         return self.validate_batches is True or index < self.validate_batches
 
     def _check(self, batch: Any, where: str) -> Exception | None:
@@ -108,7 +116,7 @@ class StepGuard:
         Returns:
             The validation error, or None.
         """
-        return self._verdict(batch, f"step {step}", ahead) if self._checks(step) else None
+        return self._verdict(batch, f"step {step}", ahead) if self.checks(step) else None
 
     def _verdict(
         self, batch: Any, where: str, ahead: list[tuple[int, Any]] | None = None
@@ -152,7 +160,7 @@ class StepGuard:
         Returns:
             The ranks that asked to stop (the same on every rank; empty when none did).
         """
-        checked = self._checks(step)
+        checked = self.checks(step)
         had, earlier = self._take_deferred()
         verdict = None
         if checked:
@@ -224,7 +232,7 @@ class StepGuard:
             UnevenDataError: on every rank when only some ranks are at their last batch.
         """
         self.decide_ahead()  # a stop request it carries is made again at the next step
-        if (checked := self._checks(batch_idx)) or self._mode == "raise":  # any check: a vote
+        if (checked := self.checks(batch_idx)) or self._mode == "raise":  # any check: a vote
             verdict = self._verdict(batch, f"{stage} batch {batch_idx}", ahead) if checked else None
             (ranks,) = self._agree(verdict, flags=[last])
             check_even(ranks, stage, batch_idx)
@@ -292,9 +300,43 @@ class StepGuard:
         if not batch_checked and self._pending is None:
             return []
         error = self._loss_error()
-        last, stopping = self._agree(batch_error, error, flags=[last_batch, stop])
+        last, stopping, evaluating = self._agree(
+            batch_error, error, flags=[last_batch, stop, False]
+        )
+        check_in_step(evaluating)
         check_even(last, "training", batch_idx)
         return stopping
+
+    def before_loop_eval(self, batch: Any, where: str, index: int, last: bool = False) -> None:
+        """An evaluation forward's checks in a loop of the user's own (Fabric). Collective.
+
+        The vote has the training votes' layout and says that this rank is evaluating, so a rank
+        with an evaluation batch more than the others meets their next training vote (or
+        :meth:`flush`) and every rank raises ``UnevenDataError`` instead of hanging. It judges
+        the last training step's loss and a deferred batch verdict too (before any metric of
+        this evaluation is read).
+
+        Args:
+            batch: this rank's batch (checked unless ``validate_batches`` leaves out ``index``).
+            where: where the batch is, for the message (``"evaluation forward 2 after step 6"``).
+            index: the forward's index in this evaluation (``validate_batches=N``: the first N).
+            last: whether this rank has no evaluation batch after this one (ranks that disagree
+                raise ``UnevenDataError``).
+
+        Raises:
+            BatchValidationError: on every rank when any rank's batch is bad.
+            NonFiniteLossError: on every rank when any rank's last training loss was NaN/inf.
+            UnevenDataError: on every rank when only some ranks are evaluating, or at their
+                last batch.
+        """
+        _, earlier = self._take_deferred()
+        verdict = self._verdict(batch, where) if self.checks(index) else None
+        error = self._loss_error()
+        last_ranks, _, evaluating = self._agree(
+            earlier or verdict, error, flags=[last, False, True]
+        )
+        check_in_step(evaluating)
+        check_even(last_ranks, "evaluation", index)
 
     def _agree(self, *errors: Exception | None, flags: list[bool]) -> list[list[int]]:
         self._decided = launch_agree(  # agree(), its votes held as in decide_ahead
@@ -319,7 +361,7 @@ class StepGuard:
             stop: whether this rank asks every rank to stop (when :attr:`carries_stop`).
         """
         self.decide_ahead()
-        flags = [last, stop and self.carries_stop]
+        flags = [last, stop and self.carries_stop, False]  # the layout of check()'s vote
         error = self._loss_error()
         group, device = self._ahead_on
         decide = launch_agree(next_error, error, flags=flags, device=device, group=group)
@@ -347,7 +389,8 @@ class StepGuard:
             return None
         # Held until the next vote (so are _agree's): gloo's thread never frees them: cpython#112275
         decide, batch_idx = self._decided = ahead
-        last, stopping = decide()
+        last, stopping, evaluating = decide()
+        check_in_step(evaluating)
         check_even(last, "training", batch_idx)
         return stopping
 

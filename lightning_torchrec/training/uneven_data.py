@@ -2,7 +2,8 @@
 
 Sharded tables run collectives in every step. Known batch counts are compared before a stage
 starts (:func:`check_counts`); unknown ones batch by batch, with the "last batch" flag that rides
-in the training step's vote (:func:`check_even`). Both raise the same named error on every rank.
+in the training step's vote (:func:`check_even`), and in a loop of the user's own with the flag
+of a rank still evaluating (:func:`check_in_step`). Each raises the same named error on every rank.
 """
 
 from __future__ import annotations
@@ -32,6 +33,32 @@ def check_even(last_ranks: list[int], stage: str, batch_idx: int) -> None:
         "the same number of batches (sharded tables run collectives in every step): use "
         "Lightning's distributed sampler (use_distributed_sampler=True pads the last batches), "
         "split iterable datasets evenly per rank, or drop the remainder."
+    )
+
+
+def check_in_step(evaluating: list[int]) -> None:
+    """Raises when only some ranks voted from an evaluation forward (call with an agreed list).
+
+    In a loop of the user's own, an evaluation forward's vote has the training votes' layout
+    (:meth:`~lightning_torchrec.training.step_guard.StepGuard.before_loop_eval`): a rank with
+    more evaluation batches than the others meets their next training vote or their end of
+    training there.
+
+    Args:
+        evaluating: the ranks that voted from an evaluation forward.
+
+    Raises:
+        UnevenDataError: naming the ranks, the same on every rank.
+    """
+    _, world = rank_and_world_size()
+    if not evaluating or len(evaluating) == world:
+        return
+    others = [r for r in range(world) if r not in evaluating]
+    raise UnevenDataError(
+        f"rank(s) {evaluating} ran an evaluation forward while rank(s) {others} had ended their "
+        "evaluation (at a training step, or at the end of training): the ranks have different "
+        "numbers of evaluation batches. Give every rank as many evaluation batches (a "
+        "distributed sampler pads them; drop the remainder of an iterable dataset)."
     )
 
 

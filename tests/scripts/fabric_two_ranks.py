@@ -9,15 +9,22 @@ both learning rates halved every ``HALVE`` steps by one ``StepLR``):
 5. ``trainer_resume``: the Trainer resumes the Fabric checkpoint and finishes;
    ``fabric_from_trainer``: Fabric loads the Trainer's final checkpoint;
 6. ``faults``: on rank 1 only, a bad batch; a bad batch in the second of two forwards of one
-   step (called by keyword); one batch more than rank 0; a NaN loss.
+   step (called by keyword); one batch more than rank 0; a NaN loss; a bad batch in an
+   evaluation (``model.eval()``); one evaluation batch more than rank 0;
+7. ``user_error``, last: rank 1 raises an error of the user's own in its model's forward (before
+   the sparse all-to-all that rank 0 then waits in) and does not catch it (Python hands it to
+   ``sys.excepthook``; the script's own hook then ends rank 1 with exit code 0, so that Fabric's
+   launcher leaves rank 0 alone); rank 0 records what it raised.
 
 Each rank writes ``{phase}_rank{r}.pt`` (losses, local weights, what it raised) into argv[1].
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +44,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_torchrec import (
     DLRMClickModule,
+    PeerFailureError,
     TorchRecFabricStrategy,
     TorchRecStrategy,
     dense_parameters,
@@ -254,10 +262,79 @@ def faults(fabric: L.Fabric) -> dict[str, Any]:
             seen[name] = None
         except Exception as e:  # every rank must raise the same named error
             seen[name] = (type(e).__name__, str(e), step)
+    for name in ("eval_bad_batch", "eval_uneven"):
+        evaluation = list(batches(rank))[:4]
+        if name == "eval_uneven" and rank == 1:
+            evaluation.append(evaluation[0])  # one evaluation batch more than rank 0
+        try:
+            model.eval()
+            with torch.no_grad():
+                for step, batch in enumerate(evaluation):
+                    bad = name == "eval_bad_batch" and rank == 1 and step == 2
+                    model(broken(batch) if bad else batch)  # checked in eval() mode too
+            model.train()
+            optimizer.zero_grad()  # training goes on: rank 1 is still evaluating
+            loss, _ = model(evaluation[0])
+            fabric.backward(loss)
+            optimizer.step()
+            fabric.strategy.finish()
+            seen[name] = None
+        except Exception as e:
+            seen[name] = (type(e).__name__, str(e), step)
+        model.train()
     return seen
 
 
+class Boom(ValueError):
+    """A user's own error (a bug in rank 1's model code)."""
+
+
+class Buggy(Click):
+    """Its forward raises ``Boom`` on rank 1 at step 2, before the sparse features' all-to-all."""
+
+    calls = 0
+
+    def forward(self, batch: Any) -> Any:
+        step, self.calls = self.calls, self.calls + 1
+        if dist.get_rank() == 1 and step == 2:
+            raise Boom(f"a bug in rank 1's forward at step {step}")
+        return super().forward(batch)
+
+
+def user_error(fabric: L.Fabric) -> None:
+    """Rank 1 raises ``Boom`` in its loop and does not catch it; rank 0 records what it raised."""
+    model = fabric.setup_module(Buggy())
+    optimizer = fabric.setup_optimizers(torch.optim.Adam(dense_parameters(model), lr=LR))
+    rank, seen = fabric.global_rank, {}
+    try:
+        for batch in batches(rank):
+            optimizer.zero_grad()
+            loss, _ = model(batch)
+            fabric.backward(loss)
+            optimizer.step()
+    except Exception as e:
+        if rank == 1:
+            raise  # its own Boom: nobody catches it (see `exit_quietly`)
+        seen = {"error": type(e).__name__, "message": str(e), "boom": isinstance(e, Boom)}
+        seen["peer_failure"] = isinstance(e, PeerFailureError)
+    save("user_error", seen)
+
+
+def exit_quietly(kind: type, error: BaseException, tb: Any) -> None:
+    """The script's ``sys.excepthook`` (the strategy's wraps it): rank 1's ``Boom`` exits 0."""
+    if not isinstance(error, Boom):
+        sys.__excepthook__(kind, error, tb)
+        return
+    traceback.print_exception(kind, error, tb)
+    rank = dist.get_rank()
+    torch.save({"error": kind.__name__}, OUT / f"user_error_rank{rank}.pt")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(0)  # Fabric's launcher would kill rank 0 on a non-zero exit code
+
+
 def main() -> None:
+    sys.excepthook = exit_quietly
     strategy = TorchRecFabricStrategy(constraints=table_wise(TABLES), fused_params=FUSED)
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch()
@@ -276,6 +353,7 @@ def main() -> None:
     save("trainer_resume", trainer_run(start=K))
     save("fabric_from_trainer", fabric_from_trainer(fabric))
     save("faults", faults(fabric))
+    user_error(fabric)
 
 
 if __name__ == "__main__":

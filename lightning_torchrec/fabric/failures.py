@@ -1,0 +1,125 @@
+"""A Fabric rank that fails alone tells the others what it raised, before its process ends.
+
+A Fabric loop is the user's own: an error that one rank raises in it (a bug in its loss code, a
+file only it reads) never passes through the strategy, and the other ranks, left waiting in the
+step's collectives, would only learn that "another rank probably died". The Trainer's strategy
+writes such an error to the job's store from its ``on_exception`` hook
+(:mod:`~lightning_torchrec.failure_reports`); a loop of the user's own has no such hook, so the
+strategy reports at the point where Python itself handles an error nobody caught:
+
+* a script (``fabric.launch()``, ``torchrun``, ``srun``): while set up, the strategy is part of
+  ``sys.excepthook`` (:class:`FailureHook`). Python calls it for an uncaught error before the
+  traceback is printed and before the process group is torn down at exit, so the report is in
+  the store before the peers' collectives fail. It is taken out at ``teardown`` (or when the
+  strategy is garbage-collected); an error that the loop catches is not a failure and is not
+  reported (the loop may report it itself with :meth:`FabricFailures.report_failure`);
+* a function launched with ``start_method="spawn"``/``"fork"`` (notebooks): torch's process
+  wrapper catches the error before ``sys.excepthook`` could see it, so the strategy's launcher
+  reports it (:class:`~lightning_torchrec.compat.lightning_fabric.ReportingLauncher`).
+
+The peers then raise an error of the failing rank's type that is also a ``PeerFailureError``,
+naming the rank, the Fabric step and the error, wherever they wait: the step's checks, the
+backward, ``fabric.barrier``/``broadcast``/``all_reduce``/``all_gather`` or a checkpoint.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from types import TracebackType
+from typing import Any
+
+from typing_extensions import override
+
+from lightning_torchrec.distributed import peer_failure
+from lightning_torchrec.errors import PeerFailureError
+from lightning_torchrec.failure_reports import begin_run, post
+
+
+class FailureHook:
+    """``sys.excepthook`` while a strategy is set up: reports the error, then hands it on.
+
+    It holds the strategy weakly (the hook never keeps it alive) and calls the hook it replaced,
+    which prints the traceback as before.
+
+    Args:
+        strategy: the strategy that reports (its ``report_failure``).
+        previous: the hook it replaced.
+    """
+
+    def __init__(self, strategy: Any, previous: Any) -> None:
+        self.strategy: Any = weakref.ref(strategy)
+        self.previous = previous
+
+    def __call__(
+        self, kind: type[BaseException], error: BaseException, tb: TracebackType | None
+    ) -> None:
+        """Reports ``error`` through the strategy (if it is still set up), then prints it.
+
+        Args:
+            kind: the error's type.
+            error: the error no one caught.
+            tb: its traceback.
+        """
+        strategy = self.strategy() if self.strategy is not None else None
+        if strategy is not None:
+            try:
+                strategy.report_failure(error)
+            except Exception:  # noqa: BLE001 - best effort: the traceback must still be printed
+                pass
+        self.previous(kind, error, tb)
+
+    def remove(self) -> None:
+        """Takes the hook out of ``sys.excepthook`` (a pass-through where another wraps it)."""
+        self.strategy = None
+        if sys.excepthook is self:
+            sys.excepthook = self.previous
+
+
+class FabricFailures:
+    """Mixin for ``TorchRecFabricStrategy`` (before Fabric's ``DDPStrategy`` in its bases)."""
+
+    global_rank: int
+    world_size: int
+    collective_timeout: Any
+    step: int
+    _dmp: Any
+    _failure_hook: FailureHook | None = None
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()  # type: ignore[misc]
+        # No report of an earlier run in these processes explains a failure of this one.
+        begin_run(self.global_rank)
+        if self.world_size > 1 and self._failure_hook is None:
+            hook = self._failure_hook = FailureHook(self, sys.excepthook)
+            sys.excepthook = hook
+            weakref.finalize(self, hook.remove)  # a strategy never torn down: out when collected
+
+    def report_failure(self, exception: BaseException) -> None:
+        """Tells the other ranks what this rank fails with, before it exits.
+
+        Called by the strategy for an error that no one caught (see the module); a loop that
+        catches an error and then ends this rank's part can call it itself. A collective's error
+        that only says a peer died is not this rank's own: it is explained (with the failing
+        rank's report, when there is one) on stderr and not reported.
+
+        Args:
+            exception: the error this rank is failing with.
+        """
+        failure = exception
+        if not isinstance(exception, PeerFailureError):
+            failure = peer_failure(exception, self.collective_timeout) or exception
+        if failure is not exception:  # a collective outside the strategy's failed bare
+            name = type(failure).__name__
+            print(f"[rank {self.global_rank}] {name}: {failure}", file=sys.stderr, flush=True)
+        evaluating = self._dmp is not None and not self._dmp.training
+        where = f"Fabric step {self.step}" + (" (evaluation)" if evaluating else "")
+        post(failure, where, self.global_rank)
+
+    @override
+    def teardown(self) -> None:
+        if self._failure_hook is not None:
+            self._failure_hook.remove()
+            self._failure_hook = None
+        super().teardown()  # type: ignore[misc]
