@@ -29,10 +29,10 @@ SIDE = "side.embedding_bags.t_side.weight"
 class Wider(DLRMClickModule):
     """A dense layer added since the save (trained: a term of the loss)."""
 
-    def __init__(self, *args: Any, strict: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, lenient: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.extra = torch.nn.Linear(2, 2)
-        self.strict_loading = strict
+        self.strict_loading = not lenient
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return super().training_step(batch, batch_idx) + 0.0 * self.extra.weight.sum()
@@ -103,7 +103,7 @@ def test_an_added_layer_keeps_its_values_and_the_rest_loads(saved, tmp_path: Pat
     assert resumed.global_step == 5
     # strict_loading left at its default: refused, as before.
     with pytest.raises(CheckpointMismatchError, match="extra.weight"):
-        strict = tiny_dlrm(ROWS, cls=Wider, strict=True, **adam())
+        strict = tiny_dlrm(ROWS, cls=Wider, lenient=False, **adam())
         trainer(tmp_path).validate(strict, datamodule=data(), ckpt_path=ckpt)
 
 
@@ -138,3 +138,35 @@ def test_a_removed_layer_is_ignored(tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match=re.escape("but in the checkpoint: ['extra.bias', 'ex")):
         resumed.fit(model, datamodule=data(), ckpt_path=tmp_path / "wide.ckpt")
     assert resumed.global_step == 5
+
+
+def test_load_from_checkpoint_follows_strict_loading(saved) -> None:
+    ckpt, expected = saved
+    with pytest.warns(UserWarning, match=re.escape(f"not in the checkpoint: {NEW}")):
+        model = Wider.load_from_checkpoint(ckpt)
+    got = model.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in expected.items())
+    with pytest.raises(CheckpointMismatchError, match="extra.weight"):
+        Wider.load_from_checkpoint(ckpt, strict=True)
+    with pytest.raises(CheckpointMismatchError, match="extra.weight"):
+        Wider.load_from_checkpoint(ckpt, lenient=False)  # its strict_loading
+
+
+class Annotated(DLRMClickModule):
+    """Adds a key of its own to every checkpoint and records what it gets back."""
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["mine"] = {"vocabulary": ["a", "b"], "counts": torch.arange(3)}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.got = checkpoint.get("mine")
+
+
+def test_load_from_checkpoint_calls_on_load_checkpoint(tmp_path: Path) -> None:
+    model = tiny_dlrm(ROWS, cls=Annotated, **adam())
+    t = trainer(tmp_path)
+    t.fit(model, datamodule=data())
+    t.save_checkpoint(tmp_path / "mine.ckpt")
+    loaded = Annotated.load_from_checkpoint(tmp_path / "mine.ckpt")
+    assert loaded.got["vocabulary"] == ["a", "b"]
+    assert torch.equal(loaded.got["counts"], torch.arange(3))

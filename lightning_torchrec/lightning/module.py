@@ -185,14 +185,17 @@ class TorchRecModule(L.LightningModule):
         A sharded checkpoint directory (written by ``TorchRecStrategy``) is loaded in this one
         process by :func:`lightning_torchrec.checkpoint.load_unsharded`: the module is built
         from the saved hyper-parameters (``kwargs`` override them), tables on the meta device
-        are materialised on the CPU, and every tensor is read one at a time, verified. Anything
-        else goes to Lightning's ``LightningModule.load_from_checkpoint``.
+        are materialised on the CPU, its ``on_load_checkpoint`` gets the checkpoint's metadata
+        (the checkpoint dict without the tensors, as under the strategy) and every tensor is
+        read one at a time, verified. Anything else goes to Lightning's
+        ``LightningModule.load_from_checkpoint``.
 
         Args:
             checkpoint_path: a sharded checkpoint directory, or what Lightning accepts.
             map_location: for a directory: a device to move the model to (default CPU).
             hparams_file: Lightning's argument; not supported for a directory.
-            strict: raise when the checkpoint and the model do not hold the same tensors.
+            strict: raise when the checkpoint and the model do not hold the same tensors (a
+                shape mismatch always raises); None: the module's ``strict_loading``.
             weights_only: read the hyper-parameters with ``torch.load(weights_only=...)``.
             **kwargs: constructor arguments overriding the saved hyper-parameters.
 
@@ -211,8 +214,9 @@ class TorchRecModule(L.LightningModule):
             model = load_unsharded(
                 checkpoint_path,
                 cls,
-                strict=strict is not False,
+                strict=strict,
                 weights_only=weights_only is not False,
+                on_build=lambda module, meta: module.on_load_checkpoint(meta),
                 **kwargs,
             )
             if isinstance(map_location, str | torch.device):
