@@ -79,8 +79,9 @@ class TorchRecModule(L.LightningModule):
         model_and_loss: the wrapped model and loss.
         optimizer: builds the dense optimizer from the dense parameters (fused tables are
             excluded automatically). Defaults to Adam with lr 1e-3.
-        lr_scheduler: builds an LR scheduler from the combined optimizer, or None.
-        lr_scheduler_interval: ``"step"`` or ``"epoch"``.
+        lr_scheduler: builds an LR scheduler from the combined optimizer, or None. One with a
+            ``monitor`` (Lightning CLI's ``ReduceLROnPlateau``) is stepped with that metric.
+        lr_scheduler_interval: ``"step"`` or ``"epoch"`` (e.g. for a plateau on ``val/loss``).
         task_names: one name per output column of the model (None: one task, ``click``).
         metrics_window_size: samples (over all ranks) of the training window metrics.
         train_metrics_every_n_steps: steps between training metric computations (a collective
@@ -359,7 +360,8 @@ class TorchRecModule(L.LightningModule):
         if self.lr_scheduler_factory is None:
             return optimizer
         scheduler = self.lr_scheduler_factory(optimizer)
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "interval": self.lr_scheduler_interval},
-        }
+        config = {"scheduler": scheduler, "interval": self.lr_scheduler_interval}
+        monitor = getattr(scheduler, "monitor", None)
+        if isinstance(monitor, str):  # Lightning CLI's ReduceLROnPlateau: what it watches
+            config["monitor"] = monitor
+        return {"optimizer": optimizer, "lr_scheduler": config}
