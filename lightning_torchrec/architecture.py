@@ -16,8 +16,8 @@ A *layer* is a subpackage (``sharding``, ``training``, ...) or a top-level modul
    serve a Fabric loop as well). The core may use ``lightning.fabric``.
 4. Private names of torch, TorchRec, fbgemm and Lightning appear only in ``compat``; Lightning's
    only in ``compat.lightning`` and its siblings (``compat.lightning_callbacks``,
-   ``compat.lightning_loops``, ``compat.lightning_batches``, ``compat.lightning_fabric``),
-   which only the glue (Trainer and Fabric) imports.
+   ``compat.lightning_loops``, ``compat.lightning_batches``, ``compat.lightning_fabric``,
+   ``compat.lightning_ddp``), which only the glue (Trainer and Fabric) imports.
 5. No module imports another module's private (``_``) name; every import is at module level.
 """
 

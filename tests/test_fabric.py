@@ -27,6 +27,7 @@ from lightning_torchrec import (
 )
 from lightning_torchrec.compat.lightning_fabric import ReportingLauncher
 from lightning_torchrec.data import SyntheticClickDataset
+from lightning_torchrec.errors import CheckpointMismatchError
 from lightning_torchrec.fabric import failures
 from lightning_torchrec.fabric.failures import FabricFailures
 from lightning_torchrec.fabric.strategy import TorchRecFabricStrategy as Direct
@@ -251,6 +252,21 @@ def test_an_lr_scheduler_in_the_state_is_saved_and_loaded_by_its_state(tmp_path:
     assert state["scheduler"] is fresh and state["counts"] == {"a": 1}
     assert fresh.state_dict() == scheduler.state_dict()
     assert [g["lr"] for g in optimizer.param_groups] == [pytest.approx(0.1 / 4)] * 2
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_strict_false_loads_into_a_model_with_a_layer_added(tmp_path: Path) -> None:
+    # As Fabric's own strategies (`module.load_state_dict(strict=strict)`).
+    fabric, unsharded = one_rank_fabric()
+    model = fabric.setup_module(unsharded)
+    fabric.save(tmp_path / "ckpt", {"model": model})
+    fabric, wider = one_rank_fabric()
+    wider.extra = torch.nn.Linear(2, 2)
+    model = fabric.setup_module(wider)
+    with pytest.raises(CheckpointMismatchError, match="extra.weight"):
+        fabric.load(tmp_path / "ckpt", {"model": model})
+    with pytest.warns(UserWarning, match=r"not in the checkpoint: \['extra.weight', 'extra.b"):
+        fabric.load(tmp_path / "ckpt", {"model": model}, strict=False)
 
 
 @pytest.mark.parametrize(

@@ -408,6 +408,26 @@ def test_the_bar_gets_a_cpu_loss_without_self_log_and_no_loss_from_another_devic
     assert trainer.progress_bar_metrics["train/loss"] == 0.25
 
 
+def test_a_plateau_scheduler_given_as_the_modules_lr_scheduler_watches_its_monitor() -> None:
+    # As LightningCLI builds it (`--model.lr_scheduler ReduceLROnPlateau`): the scheduler names
+    # its metric; on val/loss it steps once per epoch.
+    from lightning.pytorch.cli import ReduceLROnPlateau
+
+    from tests.scripts.factory import cpu_trainer, tiny_data, tiny_dlrm
+
+    def plateau(optimizer: Any) -> ReduceLROnPlateau:  # never better: halves at every check
+        kwargs = dict(mode="max", patience=0, factor=0.5, threshold=10.0, threshold_mode="abs")
+        return ReduceLROnPlateau(optimizer, monitor="val/loss", **kwargs)
+
+    model = tiny_dlrm(lr_scheduler=plateau, lr_scheduler_interval="epoch")
+    trainer = cpu_trainer(max_epochs=3, limit_val_batches=1)
+    trainer.fit(model, datamodule=tiny_data())
+    (config,) = trainer.lr_scheduler_configs
+    assert config.monitor == "val/loss" and config.interval == "epoch"
+    dense, fused = (g["lr"] for g in trainer.optimizers[0].param_groups)
+    assert dense == pytest.approx(1e-3 / 4) and fused == pytest.approx(1e-2 / 4)
+
+
 def test_a_plateau_scheduler_on_train_loss_gets_it_at_every_step() -> None:
     from lightning_torchrec import DLRMClickModule
     from tests.scripts.factory import cpu_trainer, tiny_data, tiny_dlrm

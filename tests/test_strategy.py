@@ -7,6 +7,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -204,6 +205,28 @@ def test_validate_and_predict_without_fit_shard_the_model() -> None:
     assert t.strategy.dmp is dmp, "the model is sharded once and reused"
     assert len(preds) == 2 and preds[0].shape == (32,)
     assert ((preds[0] > 0) & (preds[0] < 1)).all()
+
+
+class Writer(BasePredictionWriter):
+    def __init__(self) -> None:
+        super().__init__("batch_and_epoch")
+        self.batches: list[Any] = []
+        self.epoch: Any = None
+
+    def write_on_batch_end(self, trainer: Any, module: Any, prediction: Any, *args: Any) -> None:
+        self.batches.append(args[0])  # batch_indices
+
+    def write_on_epoch_end(self, trainer: Any, module: Any, predictions: Any, indices: Any) -> None:
+        self.epoch = indices
+
+
+def test_a_prediction_writer_gets_the_index_of_each_synthetic_batch() -> None:
+    # Whole batches: Lightning records indices only through a batch sampler (one batch each).
+    dm, writer = tiny_data(test_batches=3), Writer()
+    preds = trainer(callbacks=[writer]).predict(tiny_dlrm(), datamodule=dm)
+    assert writer.batches == [[0], [1], [2]] and writer.epoch == [[[0], [1], [2]]]
+    expected = [dm.dataset("predict")[k] for k in range(3)]
+    assert [p.shape[0] for p in preds] == [b.labels.shape[0] for b in expected]
 
 
 def test_tables_built_off_meta_keep_their_values_in_the_shards() -> None:

@@ -117,3 +117,14 @@ def test_checkpoints_are_sharded_directories(run: Path) -> None:
         assert is_sharded_checkpoint(c)
         distcp = list(Path(c).glob("*.distcp"))
         assert len(distcp) == 2, "every rank writes its own shard file"
+
+
+def test_manual_optimization_trains_like_automatic_and_keeps_dense_replicated(run: Path) -> None:
+    # manual_backward runs inside the DMP's forward, before its dense DDP is ready for a backward:
+    # without Lightning's DDP handling applied to that DDP, no dense gradient was all-reduced.
+    ranks = load_ranks(run, "manual")
+    for rank in ranks:
+        assert rank["Manual"]["losses"] == rank["DLRMClickModule"]["losses"]
+        assert_same(rank["Manual"]["dense"], rank["DLRMClickModule"]["dense"])
+    assert ranks[0]["Manual"]["dense"]
+    assert_same(ranks[0]["Manual"]["dense"], ranks[1]["Manual"]["dense"])

@@ -28,6 +28,12 @@ from lightning_torchrec.checkpoint.common import (
 )
 from lightning_torchrec.checkpoint.folder import UNVERIFIED, CheckpointFolder, read_dcp_metadata
 from lightning_torchrec.checkpoint.hyper_params import apply_hyper_params, read_run_record
+from lightning_torchrec.checkpoint.lenient import (
+    model_differences,
+    report,
+    state_of,
+    without_keys,
+)
 from lightning_torchrec.checkpoint.limits import CheckpointLimits
 from lightning_torchrec.checkpoint.mc_layout import check_managed_collision_layout
 from lightning_torchrec.checkpoint.names import (
@@ -245,6 +251,7 @@ def load_sharded(
     load_optimizer_states: bool = True,
     key: bytes | str | None = None,
     limits: CheckpointLimits | None = None,
+    strict: bool = True,
 ) -> dict[str, Any]:
     """Loads a checkpoint written by :func:`save_sharded` in place, resharding. Collective.
 
@@ -267,6 +274,10 @@ def load_sharded(
             :func:`~lightning_torchrec.checkpoint.signing.resolve_key`).
         limits: the reading limits (:class:`~lightning_torchrec.checkpoint.limits.
             CheckpointLimits`).
+        strict: False loads what the model and checkpoint share (see
+            :mod:`~lightning_torchrec.checkpoint.lenient`): a model tensor the checkpoint lacks
+            keeps its value (and its parameter fresh optimizer state), a checkpoint tensor the
+            model lacks is ignored, both with a warning; a shape mismatch is still refused.
 
     Returns:
         Lightning's metadata (the checkpoint dict without model and optimizer states).
@@ -275,7 +286,8 @@ def load_sharded(
         FileNotFoundError: if ``path`` is not a complete sharded checkpoint.
         ValueError: if ``path`` is a URL of another file system (``s3://...``), on every rank.
         CheckpointMismatchError: if the model or the optimizer state does not fit the checkpoint
-            (on any rank), or ``path`` is a single-file checkpoint of another strategy.
+            (on any rank; without ``strict``, a tensor in both with another shape only), or
+            ``path`` is a single-file checkpoint of another strategy.
         ManagedCollisionLayoutError: if a managed-collision table was saved sharded over other
             rows per rank (another world size), naming the tables; nothing is loaded.
         CheckpointCorruptError: if a file is damaged, truncated or missing, naming it.
@@ -311,16 +323,18 @@ def load_sharded(
         warnings.warn(UNVERIFIED.format(path=path), UserWarning, stacklevel=2)
 
     model_sd = module.state_dict()
-    state: dict[str, Any] = {MODEL_KEY: model_sd}
+    missing, unexpected = ([], []) if strict else model_differences(metadata, model_sd)
+    state: dict[str, Any] = {MODEL_KEY: without_keys(model_sd, missing)}
     try:
         groups = None
         run: list[dict[str, Any]] = []
         unstepped: dict[int, list[str]] = {}
+        kept: dict[int, dict[str, Any]] = {}
         if optimizers:
             groups = _read_param_groups(folder, rank, _saved_world_size(folder, meta))
             run = read_run_record(meta, PACKAGE_KEY, str(path / META_FILE))
             _check_hyper_params(groups, run, optimizers, path)
-        check_compatible(path, state, "model", metadata=metadata)
+        check_compatible(path, state, "model", not strict, metadata=metadata)
         check_managed_collision_layout(path, _flatten(state), metadata)
         for i, opt in enumerate(optimizers if load_optimizer_states else []):
             init_optimizer_state(opt)
@@ -338,6 +352,8 @@ def load_sharded(
             unstepped[i] = _unstepped_dense(target, stored, optimizer_key(i)) if combined else []
             for key in unstepped[i]:
                 del target[key]
+            kept[i] = state_of(target, missing)  # not in the checkpoint: left as they are
+            target = {k: v for k, v in target.items() if k not in kept[i]}
             try:
                 check_compatible(
                     path, {optimizer_key(i): target}, f"optimizer {i}", True, metadata=metadata
@@ -366,11 +382,12 @@ def load_sharded(
         agree_dcp_failure(err, path, writing=False)
     agree_checkpoint_error(None)
 
+    report(path, missing, unexpected, rank)
     module.load_state_dict(model_sd)
     for i, opt in enumerate(optimizers):
         if optimizer_key(i) in state:
             forget_dense_state(opt, unstepped.get(i, []))  # as they were when saved: no state
-            opt.load_state_dict({"state": state[optimizer_key(i)]})
+            opt.load_state_dict({"state": {**kept.get(i, {}), **state[optimizer_key(i)]}})
         if groups is not None:
             apply_hyper_params(groups, run, i, opt)
     return meta

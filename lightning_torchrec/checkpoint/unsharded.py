@@ -8,7 +8,7 @@ builds a ready model from them, tables on the meta device materialised on the CP
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from itertools import chain
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_torchrec.checkpoint.common import MODEL_KEY, check_is_checkpoint, dcp_error
 from lightning_torchrec.checkpoint.folder import UNVERIFIED, CheckpointFolder
+from lightning_torchrec.checkpoint.lenient import report
 from lightning_torchrec.checkpoint.limits import CheckpointLimits
 from lightning_torchrec.checkpoint.mc_layout import check_managed_collision_layout
 from lightning_torchrec.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
@@ -168,13 +169,17 @@ def meta_tensors(module: nn.Module) -> list[str]:
 @torch.no_grad()
 def check_fits(
     target: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], strict: bool = True
-) -> None:
+) -> tuple[list[str], list[str]]:
     """Checks that tensors of ``shapes`` fit a state dict (the keys, with ``strict``, and shapes).
 
     Args:
         target: the module's state dict (its tensors may be on the meta device, or sharded).
         shapes: the global shape of every source tensor.
         strict: also require the same keys.
+
+    Returns:
+        ``(missing, unexpected)``: the target's tensors the source lacks, and the source's
+        tensors the target lacks (both empty with ``strict``).
 
     Raises:
         CheckpointMismatchError: naming the missing, unexpected and misshapen keys.
@@ -192,6 +197,7 @@ def check_fits(
             f"the weights do not fit the model: missing {missing}, unexpected {extra}, "
             f"shapes differ: {wrong}"
         )
+    return missing, extra
 
 
 def fill_plain(
@@ -261,10 +267,11 @@ def load_unsharded(
     checkpoint: str | Path,
     module: nn.Module | type[nn.Module],
     *,
-    strict: bool = True,
+    strict: bool | None = True,
     weights_only: bool = True,
     key: bytes | str | None = None,
     limits: CheckpointLimits | None = None,
+    on_build: Callable[[Any, dict[str, Any]], None] | None = None,
     **init_args: Any,
 ) -> Any:
     """A ready, unsharded model from a sharded checkpoint directory, in one process.
@@ -278,10 +285,15 @@ def load_unsharded(
         checkpoint: a sharded checkpoint directory.
         module: a module to fill in place, or a module class (e.g. a LightningModule) to build
             from the checkpoint's saved ``hyper_parameters`` (updated with ``init_args``).
-        strict: raise when the checkpoint lacks a tensor of the model or has one it lacks.
+        strict: raise when the checkpoint lacks a tensor of the model or has one it lacks (False:
+            both are left alone and listed in a warning; a shape mismatch is always refused).
+            None: the module's ``strict_loading`` (a LightningModule's) decides, else True.
         weights_only: read ``meta.pt`` (the hyper-parameters) with ``weights_only``.
         key: the key the checkpoint must be signed with.
         limits: the reading limits.
+        on_build: called with the module and the checkpoint's metadata (``meta.pt``: the
+            checkpoint dict without the tensors) before any tensor is loaded, e.g. Lightning's
+            ``on_load_checkpoint``.
         **init_args: constructor arguments overriding the saved hyper-parameters (class only).
 
     Returns:
@@ -299,8 +311,8 @@ def load_unsharded(
     checkpoint = Path(checkpoint)
     folder, entries, metadata = _open(checkpoint, True, key, limits)
     shapes = {k: tuple(v.size) for k, v in entries.items()}
+    meta = folder.meta(weights_only) if isinstance(module, type) or on_build else {}
     if isinstance(module, type):
-        meta = folder.meta(weights_only)
         hparams = meta.get("hyper_parameters") or {}
         if not isinstance(hparams, dict) or not all(isinstance(k, str) for k in hparams):
             raise CheckpointCorruptError(f"{checkpoint}: its hyper_parameters are not a dict")
@@ -314,13 +326,22 @@ def load_unsharded(
         except Exception:  # noqa: BLE001 - a constructor that cannot run on meta: build it
             probe = None
         if probe is not None:
-            check_fits(probe.state_dict(), shapes, strict)
+            check_fits(probe.state_dict(), shapes, _strict(strict, probe))
             del probe
         module = module(**args)
     elif init_args:
         raise TypeError(f"constructor arguments {sorted(init_args)} need a class, not a module")
+    strict = _strict(strict, module)
+    if on_build is not None:
+        on_build(module, meta)
     target = {f"{MODEL_KEY}.{k}": v for k, v in module.state_dict().items()}
     check_managed_collision_layout(checkpoint, target, metadata)
+    missing, unexpected = check_fits(module.state_dict(), shapes, strict)
     tensors = iter_plain_tensors(checkpoint, verify=False, key=key, limits=limits)
     fill_plain(module, shapes, tensors, strict)
+    report(checkpoint, missing, unexpected, 0)
     return module
+
+
+def _strict(strict: bool | None, module: nn.Module) -> bool:
+    return bool(getattr(module, "strict_loading", True)) if strict is None else strict

@@ -37,6 +37,19 @@ def _hash_unit(ids: torch.Tensor, salt: int) -> torch.Tensor:
     return x.to(torch.float32) / float(_MASK32) * 2.0 - 1.0
 
 
+def only_item(items: list[Batch]) -> Batch:
+    """The ``collate_fn`` of a loader of whole batches read one at a time (``batch_size=1``).
+
+    Args:
+        items: the one batch the sampler chose.
+
+    Returns:
+        That batch.
+    """
+    (batch,) = items
+    return batch
+
+
 class SyntheticClickDataset(Dataset[Batch]):
     """A map-style dataset of whole batches of synthetic clicks (use ``batch_size=None``).
 
@@ -246,5 +259,18 @@ class SyntheticClickData(LightningDataModule):
         return self._loader("test", shuffle=False)
 
     def predict_dataloader(self) -> DataLoader[Batch]:
-        """Prediction batches (the test samples)."""
-        return self._loader("predict", shuffle=False)
+        """Prediction batches (the test samples).
+
+        Read through a batch sampler of one whole batch at a time, so Lightning records which
+        batches each rank predicted: a ``BasePredictionWriter`` gets ``batch_indices`` ``[k]``
+        for the dataset's batch ``k`` (with ``batch_size=None`` there is no batch sampler and
+        Lightning passes none).
+        """
+        return DataLoader(
+            self.dataset("predict"),
+            batch_size=1,
+            shuffle=False,
+            collate_fn=only_item,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )

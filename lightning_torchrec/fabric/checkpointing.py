@@ -168,7 +168,9 @@ class FabricCheckpointing:
             state: the set-up module, or ``{name: module | optimizer | value}``; plain values
                 are replaced by the checkpoint's (in place), objects with ``load_state_dict()``
                 (an LR scheduler) load theirs.
-            strict: raise when a plain value of ``state`` is not in the checkpoint.
+            strict: raise when a plain value of ``state`` is not in the checkpoint, or the
+                model and the checkpoint do not hold the same tensors (False: see
+                :mod:`~lightning_torchrec.checkpoint.lenient`; a shape mismatch is refused).
             weights_only: read the metadata with ``torch.load(weights_only=...)`` (default
                 True; tensors are always read without running code).
 
@@ -197,6 +199,7 @@ class FabricCheckpointing:
             optimizers,
             weights_only=True if weights_only is None else weights_only,
             load_optimizer_states=self.load_optimizer_states,
+            strict=strict,
         )
         self._push_fused_lr()
         schedulers = meta.get("lr_schedulers")

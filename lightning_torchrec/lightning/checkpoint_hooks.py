@@ -304,6 +304,7 @@ class ShardedCheckpointing:
             load_optimizer_states=self.load_optimizer_states,
             key=self.checkpoint_key,
             limits=self.checkpoint_limits,
+            strict=self.lightning_module.strict_loading,
         )
         self._push_fused_lr()
         # The training loader skips the batches trained on (see `DataHooks.process_dataloader`).
@@ -323,7 +324,7 @@ class ShardedCheckpointing:
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        # Loaded in place by `load_checkpoint`.
+        # Loaded in place by `load_checkpoint` (with the module's `strict_loading`).
         pass
 
     @override

@@ -24,6 +24,7 @@ class DLRMClickModule(TorchRecModule):
         embedding_init_scale: rows start uniform in ``[-s, s]`` (None: TorchRec's default).
         optimizer: builds the dense optimizer.
         lr_scheduler: builds the LR scheduler (drives the fused embedding LR too), or None.
+        lr_scheduler_interval: ``"step"`` or ``"epoch"``: when the scheduler steps.
         metrics_window_size: samples (over all ranks) of the training window metrics.
         train_metrics_every_n_steps: steps between training metric computations; None follows
             ``log_every_n_steps``, 0 turns training metrics off (see ``TorchRecModule``).
@@ -45,6 +46,7 @@ class DLRMClickModule(TorchRecModule):
         embedding_init_scale: float | None = 0.1,
         optimizer: OptimizerCallable = default_optimizer,
         lr_scheduler: LRSchedulerCallable | None = None,
+        lr_scheduler_interval: str = "step",
         metrics_window_size: int = 100_000,
         train_metrics_every_n_steps: int | None = None,
         train_loss_every_n_steps: int | None = None,
@@ -62,6 +64,7 @@ class DLRMClickModule(TorchRecModule):
             model,
             optimizer=optimizer,
             lr_scheduler=lr_scheduler,
+            lr_scheduler_interval=lr_scheduler_interval,
             metrics_window_size=metrics_window_size,
             train_metrics_every_n_steps=train_metrics_every_n_steps,
             train_loss_every_n_steps=train_loss_every_n_steps,

@@ -79,8 +79,9 @@ class TorchRecModule(L.LightningModule):
         model_and_loss: the wrapped model and loss.
         optimizer: builds the dense optimizer from the dense parameters (fused tables are
             excluded automatically). Defaults to Adam with lr 1e-3.
-        lr_scheduler: builds an LR scheduler from the combined optimizer, or None.
-        lr_scheduler_interval: ``"step"`` or ``"epoch"``.
+        lr_scheduler: builds an LR scheduler from the combined optimizer, or None. One with a
+            ``monitor`` (Lightning CLI's ``ReduceLROnPlateau``) is stepped with that metric.
+        lr_scheduler_interval: ``"step"`` or ``"epoch"`` (e.g. for a plateau on ``val/loss``).
         task_names: one name per output column of the model (None: one task, ``click``).
         metrics_window_size: samples (over all ranks) of the training window metrics.
         train_metrics_every_n_steps: steps between training metric computations (a collective
@@ -185,14 +186,17 @@ class TorchRecModule(L.LightningModule):
         A sharded checkpoint directory (written by ``TorchRecStrategy``) is loaded in this one
         process by :func:`lightning_torchrec.checkpoint.load_unsharded`: the module is built
         from the saved hyper-parameters (``kwargs`` override them), tables on the meta device
-        are materialised on the CPU, and every tensor is read one at a time, verified. Anything
-        else goes to Lightning's ``LightningModule.load_from_checkpoint``.
+        are materialised on the CPU, its ``on_load_checkpoint`` gets the checkpoint's metadata
+        (the checkpoint dict without the tensors, as under the strategy) and every tensor is
+        read one at a time, verified. Anything else goes to Lightning's
+        ``LightningModule.load_from_checkpoint``.
 
         Args:
             checkpoint_path: a sharded checkpoint directory, or what Lightning accepts.
             map_location: for a directory: a device to move the model to (default CPU).
             hparams_file: Lightning's argument; not supported for a directory.
-            strict: raise when the checkpoint and the model do not hold the same tensors.
+            strict: raise when the checkpoint and the model do not hold the same tensors (a
+                shape mismatch always raises); None: the module's ``strict_loading``.
             weights_only: read the hyper-parameters with ``torch.load(weights_only=...)``.
             **kwargs: constructor arguments overriding the saved hyper-parameters.
 
@@ -211,8 +215,9 @@ class TorchRecModule(L.LightningModule):
             model = load_unsharded(
                 checkpoint_path,
                 cls,
-                strict=strict is not False,
+                strict=strict,
                 weights_only=weights_only is not False,
+                on_build=lambda module, meta: module.on_load_checkpoint(meta),
                 **kwargs,
             )
             if isinstance(map_location, str | torch.device):
@@ -355,7 +360,8 @@ class TorchRecModule(L.LightningModule):
         if self.lr_scheduler_factory is None:
             return optimizer
         scheduler = self.lr_scheduler_factory(optimizer)
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "interval": self.lr_scheduler_interval},
-        }
+        config = {"scheduler": scheduler, "interval": self.lr_scheduler_interval}
+        monitor = getattr(scheduler, "monitor", None)
+        if isinstance(monitor, str):  # Lightning CLI's ReduceLROnPlateau: what it watches
+            config["monitor"] = monitor
+        return {"optimizer": optimizer, "lr_scheduler": config}

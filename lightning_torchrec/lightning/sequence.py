@@ -76,6 +76,7 @@ class SASRecModule(TorchRecModule):
         ks: the cut-offs of recall@k and NDCG@k.
         optimizer: builds the dense optimizer (the transformer).
         lr_scheduler: builds the LR scheduler (drives the fused embedding LR too), or None.
+        lr_scheduler_interval: ``"step"`` or ``"epoch"``: when the scheduler steps.
     """
 
     def __init__(
@@ -90,6 +91,7 @@ class SASRecModule(TorchRecModule):
         ks: list[int] | None = None,
         optimizer: OptimizerCallable = default_optimizer,
         lr_scheduler: LRSchedulerCallable | None = None,
+        lr_scheduler_interval: str = "step",
     ) -> None:
         model = sasrec_model(
             num_items, embedding_dim, max_length, num_blocks, num_heads, dropout, init_scale
@@ -98,6 +100,7 @@ class SASRecModule(TorchRecModule):
             model,  # type: ignore[arg-type]
             optimizer=optimizer,
             lr_scheduler=lr_scheduler,
+            lr_scheduler_interval=lr_scheduler_interval,
             train_metrics_every_n_steps=0,
         )
         # The click metrics of TorchRecModule do not apply to next-item prediction.

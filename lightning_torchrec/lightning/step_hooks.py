@@ -17,6 +17,11 @@ from typing_extensions import override
 
 from lightning_torchrec.compat.lightning import is_last_batch, take_over_sigterm_broadcast
 from lightning_torchrec.compat.lightning_batches import move_batch
+from lightning_torchrec.compat.lightning_ddp import (
+    DMPForwardRedirection,
+    flush_first_static_backward,
+    prepare_manual_backward,
+)
 from lightning_torchrec.distributed import peer_failure, run_collective
 from lightning_torchrec.errors import PeerFailureError, StopRequested
 from lightning_torchrec.failure_reports import begin_run, post, post_stop
@@ -113,6 +118,17 @@ class StepHooks:
     #: Between a training backward and the optimizer step: fused tables hold the step's
     #: update, the dense weights not yet (a checkpoint now would not resume exactly).
     tables_ahead: bool = False
+    model: Any
+    #: The dense DDP whose first (static-graph) manual backward was all-reduced.
+    _flushed: Any = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Lightning's DDP handling of `manual_backward` (here and in `pre_backward` and
+        # `post_backward`), for the dense DDP inside the DMP: Lightning's own looks for a DDP at
+        # `model`, finds the DMP, and leaves the dense gradients of manual optimization
+        # unreduced: every rank would train its own dense weights.
+        self._forward_redirection = DMPForwardRedirection()
 
     def _push_fused_lr(self) -> None:
         for opt in self.optimizers:
@@ -222,7 +238,14 @@ class StepHooks:
         return self._collective(super().backward, closure_loss, optimizer, *args, **kwargs)
 
     @override
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        if not self.lightning_module.automatic_optimization:  # see `__init__`
+            prepare_manual_backward(self.model, closure_loss)
+
+    @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
+        if not self.lightning_module.automatic_optimization:  # see `__init__`
+            self._flushed = flush_first_static_backward(self.model, self._flushed)
         super().post_backward(closure_loss)
         runner = self._runner
         if runner is None or not runner.updates_after_backward:

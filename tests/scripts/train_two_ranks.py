@@ -5,7 +5,9 @@ Phases, all in one launch to pay the process start-up once:
 2. ``trainer.fit`` with the same trainer for ``STEPS`` steps, checkpointing every ``CKPT_EVERY``
    steps; snapshots of each rank's local state at every save and at the end;
 3. a fresh model and trainer resume from the first checkpoint; snapshot right after restore;
-4. a fresh model and trainer run a standalone ``validate`` from the last checkpoint.
+4. a fresh model and trainer run a standalone ``validate`` from the last checkpoint;
+5. ``manual``: the same few steps with automatic and with manual optimization (``Manual``),
+   recording each rank's losses and dense weights.
 
 Each rank writes ``{phase}_rank{r}.pt`` files into the output directory given as argv[1].
 """
@@ -24,7 +26,7 @@ from factory import WIDE, adam, cpu_trainer, table_wise, tiny_data, tiny_dlrm
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from rank_state import local_view  # sibling module (script directory)
 
-from lightning_torchrec import TorchRecStrategy
+from lightning_torchrec import DLRMClickModule, TorchRecStrategy
 from lightning_torchrec.training.optim import DenseAndFusedOptimizer
 
 STEPS = 120
@@ -66,6 +68,46 @@ class Recorder(Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._save(f"{self.tag}_end", snapshot(trainer, pl_module), trainer)
+
+
+class Manual(DLRMClickModule):
+    """Manual optimization of the combined optimizer: the automatic step, by hand."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        loss, _ = self(batch)
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+        return loss
+
+
+class Losses(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        loss = args[1]
+        self.losses.append(float(loss["loss"] if isinstance(loss, dict) else loss))
+
+
+def manual_phase(data: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for cls in (DLRMClickModule, Manual):
+        L.seed_everything(11)
+        model = tiny_dlrm(data.num_embeddings_per_feature, cls=cls, **WIDE, **adam(1e-2))
+        losses = Losses()
+        strategy = TorchRecStrategy(constraints=table_wise(4), log_plan=False)
+        trainer = cpu_trainer(strategy, devices=2, max_steps=4, limit_val_batches=0)
+        trainer.callbacks.append(losses)
+        trainer.fit(model, datamodule=data)
+        dense = {k: v for k, v in local_view(model.state_dict()).items() if "arch.model" in k}
+        out[cls.__name__] = {"losses": losses.losses, "dense": dense}
+    return out
 
 
 def make(tag: str, max_steps: int, ckpt: ModelCheckpoint | None = None):
@@ -120,6 +162,7 @@ def main() -> None:
     data, model, trainer, recorder = make("validate", 1)
     auroc = trainer.validate(model, datamodule=data, ckpt_path=last, verbose=False)[0]["val/auroc"]
     torch.save({"auroc": auroc}, OUT / f"validate_info_rank{rank}.pt")
+    torch.save(manual_phase(data), OUT / f"manual_rank{rank}.pt")
 
 
 if __name__ == "__main__":
