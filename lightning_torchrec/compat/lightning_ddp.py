@@ -48,6 +48,8 @@ class DMPForwardRedirection(_DDPForwardRedirection):
             wrapper_module: the DMP.
             original_module: the LightningModule.
         """
+        if original_module.automatic_optimization:  # every training step: nothing to do
+            return
         inner = dense_ddp(wrapper_module)
         if inner is not None:
             super().on_after_inner_forward(inner, original_module)
@@ -59,6 +61,8 @@ class DMPForwardRedirection(_DDPForwardRedirection):
             wrapper_module: the DMP.
             original_module: the LightningModule.
         """
+        if original_module.automatic_optimization:  # every training step: nothing to do
+            return
         inner = dense_ddp(wrapper_module)
         if inner is not None:
             super().on_after_outer_forward(inner, original_module)
