@@ -10,6 +10,7 @@ every rank (:func:`lightning_torchrec.distributed.agree`).
   ``None`` loss in distributed training, and a zero loss would still move momentum-based
   optimizers.) The vote may run ahead (:meth:`StepGuard.vote_ahead`): started during a step and
   decided after it, it covers the next step's batch while the backward runs.
+
 What is finite (a loss of any shape, a state dict) is judged in
 :mod:`~lightning_torchrec.training.finite`.
 """
