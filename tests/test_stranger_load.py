@@ -294,6 +294,13 @@ def test_manifest_cannot_name_a_file_outside(ckpt: Path, tmp_path: Path) -> None
     refused_everywhere(ckpt, tmp_path, CheckpointCorruptError, r"'\.\./secret'")
 
 
+def test_a_manifest_name_no_file_system_can_hold_is_refused(ckpt: Path, tmp_path: Path) -> None:
+    manifest = json.loads((ckpt / MANIFEST_FILE).read_text())
+    manifest["files"]["\ud800.distcp"] = {"crc32": "00000000", "size": 0}  # a lone surrogate
+    (ckpt / MANIFEST_FILE).write_text(json.dumps(manifest))  # JSON carries it as "\\ud800"
+    refused_everywhere(ckpt, tmp_path, CheckpointCorruptError, r"'\\ud800\.distcp'.*not a plain")
+
+
 def test_symlinks_may_not_leave_the_folder(ckpt: Path, tmp_path: Path) -> None:
     inside = ckpt / "__0_0.distcp"
     copy = tmp_path / "copy.distcp"
