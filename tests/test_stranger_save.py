@@ -325,3 +325,14 @@ def test_signed_manifests_refuse_unsigned_and_foreign_checkpoints(
     assert code == 2 and "CheckpointSignatureError" in err and not out.exists()
     with pytest.raises(ValueError, match="at least 16"):
         load_sharded(signed, model, [opt], key=b"short")
+
+
+@pytest.mark.parametrize("mac", ["\u00e9" * 64, "\ud800" * 64, 7])
+def test_a_forged_signature_of_any_text_is_refused_by_name(tmp_path: Path, mac: object) -> None:
+    signed = tmp_path / "signed.ckpt"
+    make_checkpoint(signed, key=KEY)
+    manifest = json.loads((signed / MANIFEST_FILE).read_text())
+    manifest["signature"]["mac"] = mac  # hmac.compare_digest refuses non-ASCII text itself
+    (signed / MANIFEST_FILE).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointSignatureError, match="signature does not match"):
+        load_sharded(signed, small_model()[0], [], key=KEY)
