@@ -366,6 +366,18 @@ def test_tensor_chunks_must_cover_it_exactly_once(ckpt: Path, tmp_path: Path, da
         consolidate(ckpt, tmp_path / "plain.safetensors")
 
 
+def test_tensors_may_not_share_bytes_on_disk(ckpt: Path, tmp_path: Path) -> None:
+    # 200 tensors read from the weight's bytes: a consolidated file 200 times the checkpoint.
+    md = metadata(ckpt)
+    ((index, info),) = [(i, v) for i, v in md.storage_data.items() if i.fqn == WEIGHT]
+    for n in range(200):
+        key = f"state_dict.copy{n}.weight"
+        md.state_dict_metadata[key] = md.state_dict_metadata[WEIGHT]
+        md.storage_data[type(index)(key, index.offset, index.index)] = info
+    dump(ckpt, md)
+    refused_everywhere(ckpt, tmp_path, CheckpointCorruptError, "0\\.weight' and .* share bytes")
+
+
 # ------------------------------------------------------------------ 6: no hang
 
 
