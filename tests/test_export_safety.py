@@ -321,6 +321,23 @@ def test_an_archive_only_torch_reads_is_checked_too(
     assert not marker.exists()
 
 
+class _Bytearray:
+    def __reduce__(self) -> tuple[Callable[..., object], tuple[int]]:
+        return bytearray, (1 << 28,)  # weights_only allows it: 256 MiB from a 1 KB entry
+
+
+def test_example_inputs_that_allocate_without_bound_are_refused(
+    artifact: Path, tmp_path: Path
+) -> None:
+    bomb = io.BytesIO()
+    torch.save(((_Bytearray(),), {}), bomb)
+    bad = tmp_path / "bomb.pt2"
+    entry = "data/sample_inputs/model.pt"
+    _rewrite(artifact, bad, lambda name, data: bomb.getvalue() if name == entry else data)
+    with pytest.raises(UnsafeCheckpointError, match=rf"'{entry}'.*__builtin__\.bytearray"):
+        load_artifact(bad)
+
+
 def test_duplicate_entries_are_refused(artifact: Path, tmp_path: Path) -> None:
     bad = tmp_path / "dup.pt2"
     with pytest.warns(UserWarning, match="Duplicate name"):
