@@ -42,6 +42,7 @@ from lightning_torchrec.errors import (
 from tests.helpers import ROOT, clean_env
 from tests.scripts import hostile
 from tests.scripts.hostile import (
+    MARKER,
     build_on_class,
     call,
     dump,
@@ -376,6 +377,17 @@ def test_tensors_may_not_share_bytes_on_disk(ckpt: Path, tmp_path: Path) -> None
         md.storage_data[type(index)(key, index.offset, index.index)] = info
     dump(ckpt, md)
     refused_everywhere(ckpt, tmp_path, CheckpointCorruptError, "0\\.weight' and .* share bytes")
+
+
+def test_a_value_nested_too_deeply_to_print_is_a_named_error(ckpt: Path, tmp_path: Path) -> None:
+    # A list nested 100,000 deep as a planner_data key: its repr() in the message recursed.
+    md = metadata(ckpt)
+    md.planner_data = {MARKER: ("a",)}
+    data = pickle.dumps(md, protocol=2)
+    needle = hostile.string(MARKER)
+    assert data.count(needle) == 1
+    write_metadata(ckpt, data.replace(needle, b"(" * 100_000 + b"l" * 100_000))
+    refused_everywhere(ckpt, tmp_path, CheckpointCorruptError, "nested too deeply")
 
 
 # ------------------------------------------------------------------ 6: no hang

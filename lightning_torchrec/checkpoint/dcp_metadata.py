@@ -162,6 +162,13 @@ def check_metadata(metadata: Any, file: Path, budget: int) -> Metadata:
         CheckpointLimitError: when the walk exceeds the budget.
     """
     c = _Checker(file, budget)
+    try:
+        return _check_all(c, metadata)
+    except RecursionError as err:  # repr() of a value nested thousands deep, for a message
+        raise c.corrupt("a value is nested too deeply to be anything DCP writes") from err
+
+
+def _check_all(c: _Checker, metadata: Any) -> Metadata:
     version = c.field(metadata, Metadata, "version")
     if version not in DCP_METADATA_VERSIONS:
         raise c.corrupt(f"written by an unknown DCP version {version!r:.40}")
