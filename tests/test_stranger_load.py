@@ -24,11 +24,13 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch import LightningModule
 
 from lightning_torchrec.checkpoint import (
     iter_plain_tensors,
     load_meta,
     load_sharded,
+    load_unsharded,
 )
 from lightning_torchrec.checkpoint.consolidate import consolidate
 from lightning_torchrec.checkpoint.limits import CheckpointLimits
@@ -275,6 +277,31 @@ def test_bombs_cost_little(tmp_path: Path) -> None:
                 assert got["error"] is None  # the tensors do not need meta.pt: never parsed
                 continue
             assert got["error"] and re.match(match, got["error"]), (name, load, got)
+
+
+class _Net(LightningModule):
+    """:func:`small_model`'s layers in a LightningModule that saves its hyper-parameters."""
+
+    def __init__(self, x: Any = None) -> None:
+        super().__init__()
+        self.save_hyperparameters()  # deep-copies them
+        self.add_module("0", torch.nn.Linear(4, 3))
+        self.add_module("2", torch.nn.Linear(3, 2))
+
+
+def test_containers_nested_too_deeply_are_refused(tmp_path: Path) -> None:
+    # 2 bytes a level: hyper-parameters nested 2,000 deep made building the module from them
+    # (load_unsharded, load_from_checkpoint) fail with a bare RecursionError in deepcopy.
+    ckpt = tmp_path / "deep.ckpt"
+    make_checkpoint(ckpt, hyper_parameters={"x": MARKER})
+    meta, depth = ckpt / "meta.pt", 2000
+    nested = b"]" * depth + b"a" * (depth - 1)
+    meta.write_bytes(hostile.replace_in_pickle(meta.read_bytes(), hostile.string(MARKER), nested))
+    restamp(ckpt, "meta.pt")
+    with pytest.raises(CheckpointLimitError, match=r"meta\.pt nests containers more than 100"):
+        load_unsharded(ckpt, _Net)
+    deep = load_meta(ckpt, limits=CheckpointLimits(max_depth=depth + 2))
+    assert len(deep["hyper_parameters"]["x"]) == 1
 
 
 def test_size_caps_are_documented_and_raisable(ckpt: Path) -> None:

@@ -175,24 +175,30 @@ def _check_globals(pkl: bytes, file: Path) -> None:
         raise CheckpointCorruptError(f"{file} cannot be read (damaged pickle): {err}") from err
 
 
-def check_expansion(obj: Any, budget: int, file: Path) -> None:
+def check_expansion(
+    obj: Any, budget: int, file: Path, max_depth: int = DEFAULT_LIMITS.max_depth
+) -> None:
     """Walks what a file unpickled into, refusing more than ``budget`` objects or bloated tensors.
 
     Shared references are counted each time they are reached, so the walk (and anything that
-    later walks the object) stays within the budget.
+    later walks the object) stays within the budget. Containers may nest ``max_depth`` deep: a
+    few bytes a level build a list nested thousands deep, which anything that walks it by
+    recursion (``copy.deepcopy`` in Lightning's ``save_hyperparameters``, ``repr``) fails on
+    with a bare ``RecursionError``.
 
     Args:
         obj: the unpickled object.
         budget: the objects allowed (:meth:`CheckpointLimits.object_budget`).
         file: the file, for the message.
+        max_depth: the deepest nesting of containers allowed (:class:`CheckpointLimits`).
 
     Raises:
-        CheckpointLimitError: when the object graph exceeds the budget.
+        CheckpointLimitError: when the object graph exceeds the budget or the depth.
         CheckpointCorruptError: for a tensor claiming more elements than its storage holds.
     """
-    stack, seen = [obj], 0
+    stack, seen = [(obj, 0)], 0
     while stack:
-        item = stack.pop()
+        item, depth = stack.pop()
         seen += 1
         if seen > budget:
             raise CheckpointLimitError(
@@ -209,11 +215,19 @@ def check_expansion(obj: Any, budget: int, file: Path) -> None:
                     f"{file} holds a tensor of {item.numel()} elements on a storage of "
                     f"{item.untyped_storage().nbytes()} bytes (a view that repeats its data)"
                 )
-        elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
+            continue
+        if isinstance(item, dict):
+            items = [*item.keys(), *item.values()]
         elif isinstance(item, list | tuple | set | frozenset):
-            stack.extend(item)
+            items = list(item)
+        else:
+            continue
+        if items and depth >= max_depth:
+            raise CheckpointLimitError(
+                f"{file} nests containers more than {max_depth} deep; refused. If you trust "
+                "it, raise CheckpointLimits.max_depth."
+            )
+        stack.extend((child, depth + 1) for child in items)
 
 
 def load_torch_bytes(
@@ -267,7 +281,7 @@ def load_torch_bytes(
         ) from err
     if weights_only:
         size = len(data) if isinstance(data, bytes) else data.length
-        check_expansion(obj, limits.object_budget(size), file)
+        check_expansion(obj, limits.object_budget(size), file, limits.max_depth)
     return obj
 
 

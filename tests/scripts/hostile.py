@@ -194,3 +194,16 @@ def two_faced(torch_sees: bytes, zipfile_sees: bytes) -> bytes:
         struct.pack_into("<I", second_dir, pos + 42, offset + shift)
     end = b"PK\x05\x06" + struct.pack("<HHHHIIH", 0, 0, count, count, size, len(first), 0)
     return first + bytes(first_dir) + second + bytes(second_dir) + end
+
+
+def replace_in_pickle(data: bytes, old: bytes, new: bytes) -> bytes:
+    """A ``torch.save`` zip whose ``data.pkl`` has ``old`` (found once) replaced by ``new``."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(data)) as src, zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            entry = src.read(info)
+            if info.filename.endswith("/data.pkl"):
+                assert entry.count(old) == 1
+                entry = entry.replace(old, new)
+            dst.writestr(info.filename, entry)
+    return out.getvalue()
