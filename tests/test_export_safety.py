@@ -338,6 +338,18 @@ def test_example_inputs_that_allocate_without_bound_are_refused(
         load_artifact(bad)
 
 
+def test_example_inputs_that_do_not_fit_the_program_are_a_named_error(
+    artifact: Path, tmp_path: Path
+) -> None:
+    inputs = io.BytesIO()
+    torch.save(((), {}), inputs)  # loads weights_only; binding it to forward() fails
+    bad = tmp_path / "misfit.pt2"
+    entry = "data/sample_inputs/model.pt"
+    _rewrite(artifact, bad, lambda name, data: inputs.getvalue() if name == entry else data)
+    with pytest.raises(CheckpointCorruptError, match=re.escape(f"{bad}: its exported program")):
+        load_artifact(bad)
+
+
 def test_duplicate_entries_are_refused(artifact: Path, tmp_path: Path) -> None:
     bad = tmp_path / "dup.pt2"
     with pytest.warns(UserWarning, match="Duplicate name"):
