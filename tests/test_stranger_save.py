@@ -121,6 +121,17 @@ def test_restored_paths_inside_the_directory_are_kept(tmp_path: Path) -> None:
     assert state["last_model_path"] == state["kth_best_model_path"] == ""
 
 
+@pytest.mark.parametrize("odd", ["a\x00b.ckpt", "\ud800.ckpt"])
+def test_restored_paths_no_file_system_can_hold_are_dropped(tmp_path: Path, odd: str) -> None:
+    # A NUL or a lone surrogate made resolving the path raise a bare ValueError on resume.
+    callback = ModelCheckpoint(dirpath=tmp_path / "ck")
+    bad = str(tmp_path / "ck" / odd)
+    state = {"best_model_path": bad, "best_k_models": {bad: 1.0}}
+    meta = {"callbacks": {callback.state_key: state}}
+    dropped = confine_restored_callbacks(meta, SimpleNamespace(callbacks=[callback]))
+    assert len(dropped) == 2 and state["best_model_path"] == "" and state["best_k_models"] == {}
+
+
 # ------------------------------------------------------------------ 7: deletes only its own
 
 

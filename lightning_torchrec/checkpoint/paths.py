@@ -126,9 +126,14 @@ def is_inside(path: str | Path, folder: str | Path) -> bool:
         folder: a directory.
 
     Returns:
-        True when the resolved path is below the resolved folder (not the folder itself).
+        True when the resolved path is below the resolved folder (not the folder itself); False
+        for a path no file system can hold (a NUL byte or a lone surrogate, which a string
+        restored from a checkpoint can carry).
     """
-    real, top = os.path.realpath(path), os.path.realpath(folder)
+    try:
+        real, top = os.path.realpath(path), os.path.realpath(folder)
+    except ValueError:  # embedded NUL; UnicodeEncodeError
+        return False
     return real != top and os.path.commonpath([real, top]) == top
 
 
