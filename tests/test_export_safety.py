@@ -33,6 +33,7 @@ from lightning_torchrec.errors import (
 from lightning_torchrec.export import archive
 from lightning_torchrec.export.archive import check_pt2
 from lightning_torchrec.export.artifact import export, load_artifact
+from tests.scripts.hostile import two_faced
 
 ROWS_A, ROWS_B = 100, 150
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # 1-process save
@@ -300,6 +301,53 @@ def test_the_reproducers_tamper_runs_code_in_torch_export_load(
     with pytest.raises(Exception):  # noqa: B017, PT011 - torch's own error, after the payload
         torch.export.load(bad)
     assert marker.exists()
+
+
+@pytest.mark.parametrize("tamper", ["weight unpickled (use_pickle)", "symbolic size (sympify)"])
+def test_an_archive_only_torch_reads_is_checked_too(
+    artifact: Path, tmp_path: Path, tamper: str
+) -> None:
+    """One file, two archives: zipfile reads the clean artifact, torch's reader the tampered."""
+    marker = tmp_path / "PAYLOAD_RAN"
+    edit, add, entry = TAMPERS[tamper](marker)
+    tampered = tmp_path / "tampered.pt2"
+    _rewrite(artifact, tampered, edit, add)
+    bad = tmp_path / "two_faced.pt2"
+    bad.write_bytes(two_faced(tampered.read_bytes(), artifact.read_bytes()))
+    with zipfile.ZipFile(bad) as seen:  # what a zipfile-only check saw: the clean artifact
+        assert seen.read(seen.namelist()[0]) == zipfile.ZipFile(artifact).read(seen.namelist()[0])
+    with pytest.raises(UnsafeCheckpointError, match=re.escape(repr(entry))):
+        load_artifact(bad)
+    assert not marker.exists()
+
+
+class _Bytearray:
+    def __reduce__(self) -> tuple[Callable[..., object], tuple[int]]:
+        return bytearray, (1 << 28,)  # weights_only allows it: 256 MiB from a 1 KB entry
+
+
+def test_example_inputs_that_allocate_without_bound_are_refused(
+    artifact: Path, tmp_path: Path
+) -> None:
+    bomb = io.BytesIO()
+    torch.save(((_Bytearray(),), {}), bomb)
+    bad = tmp_path / "bomb.pt2"
+    entry = "data/sample_inputs/model.pt"
+    _rewrite(artifact, bad, lambda name, data: bomb.getvalue() if name == entry else data)
+    with pytest.raises(UnsafeCheckpointError, match=rf"'{entry}'.*__builtin__\.bytearray"):
+        load_artifact(bad)
+
+
+def test_example_inputs_that_do_not_fit_the_program_are_a_named_error(
+    artifact: Path, tmp_path: Path
+) -> None:
+    inputs = io.BytesIO()
+    torch.save(((), {}), inputs)  # loads weights_only; binding it to forward() fails
+    bad = tmp_path / "misfit.pt2"
+    entry = "data/sample_inputs/model.pt"
+    _rewrite(artifact, bad, lambda name, data: inputs.getvalue() if name == entry else data)
+    with pytest.raises(CheckpointCorruptError, match=re.escape(f"{bad}: its exported program")):
+        load_artifact(bad)
 
 
 def test_duplicate_entries_are_refused(artifact: Path, tmp_path: Path) -> None:

@@ -24,11 +24,13 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch import LightningModule
 
 from lightning_torchrec.checkpoint import (
     iter_plain_tensors,
     load_meta,
     load_sharded,
+    load_unsharded,
 )
 from lightning_torchrec.checkpoint.consolidate import consolidate
 from lightning_torchrec.checkpoint.limits import CheckpointLimits
@@ -42,6 +44,7 @@ from lightning_torchrec.errors import (
 from tests.helpers import ROOT, clean_env
 from tests.scripts import hostile
 from tests.scripts.hostile import (
+    MARKER,
     build_on_class,
     call,
     dump,
@@ -190,6 +193,26 @@ def bytearray_meta(path: Path) -> None:
     restamp(path, "meta.pt")
 
 
+class _Bytearray:
+    def __reduce__(self) -> Any:
+        return (bytearray, (2**31,))  # torch's weights-only unpickler allows bytearray
+
+
+def two_faced_meta(path: Path) -> None:
+    # zipfile reads the real meta.pt, torch's reader another archive in the same file.
+    meta = path / "meta.pt"
+    real = meta.read_bytes()
+    meta.write_bytes(hostile.two_faced(hostile.torch_bytes({"x": _Bytearray()}), real))
+    restamp(path, "meta.pt")
+
+
+def legacy_meta(path: Path) -> None:
+    # zipfile finds the real meta.pt at the end; torch.load reads the legacy pickle before it.
+    meta = path / "meta.pt"
+    meta.write_bytes(hostile.legacy_prefixed({"x": _Bytearray()}, meta.read_bytes()))
+    restamp(path, "meta.pt")
+
+
 BOMBS = {
     "bytearray_metadata": (bytearray_metadata, "UnsafeCheckpointError: .*__builtin__.bytearray"),
     "shared_metadata": (shared_metadata, "CheckpointLimitError: .*expands to more objects"),
@@ -199,6 +222,8 @@ BOMBS = {
     ),
     "deflated_meta": (deflated_meta, "CheckpointCorruptError: .*compressed entry"),
     "bytearray_meta": (bytearray_meta, "UnsafeCheckpointError: .*__builtin__.bytearray"),
+    "two_faced_meta": (two_faced_meta, "UnsafeCheckpointError: .*__builtin__.bytearray"),
+    "legacy_meta": (legacy_meta, "CheckpointCorruptError: .*legacy pickle"),
 }
 
 CHILD = """
@@ -248,10 +273,35 @@ def test_bombs_cost_little(tmp_path: Path) -> None:
         for load in ("load_sharded", "iter_plain_tensors"):
             got = result["loads"][f"{name}.ckpt/{load}"]
             assert got["seconds"] < 10, (name, load, got)
-            if load == "iter_plain_tensors" and name in ("deflated_meta", "bytearray_meta"):
+            if load == "iter_plain_tensors" and name.endswith("_meta"):
                 assert got["error"] is None  # the tensors do not need meta.pt: never parsed
                 continue
             assert got["error"] and re.match(match, got["error"]), (name, load, got)
+
+
+class _Net(LightningModule):
+    """:func:`small_model`'s layers in a LightningModule that saves its hyper-parameters."""
+
+    def __init__(self, x: Any = None) -> None:
+        super().__init__()
+        self.save_hyperparameters()  # deep-copies them
+        self.add_module("0", torch.nn.Linear(4, 3))
+        self.add_module("2", torch.nn.Linear(3, 2))
+
+
+def test_containers_nested_too_deeply_are_refused(tmp_path: Path) -> None:
+    # 2 bytes a level: hyper-parameters nested 2,000 deep made building the module from them
+    # (load_unsharded, load_from_checkpoint) fail with a bare RecursionError in deepcopy.
+    ckpt = tmp_path / "deep.ckpt"
+    make_checkpoint(ckpt, hyper_parameters={"x": MARKER})
+    meta, depth = ckpt / "meta.pt", 2000
+    nested = b"]" * depth + b"a" * (depth - 1)
+    meta.write_bytes(hostile.replace_in_pickle(meta.read_bytes(), hostile.string(MARKER), nested))
+    restamp(ckpt, "meta.pt")
+    with pytest.raises(CheckpointLimitError, match=r"meta\.pt nests containers more than 100"):
+        load_unsharded(ckpt, _Net)
+    deep = load_meta(ckpt, limits=CheckpointLimits(max_depth=depth + 2))
+    assert len(deep["hyper_parameters"]["x"]) == 1
 
 
 def test_size_caps_are_documented_and_raisable(ckpt: Path) -> None:
@@ -292,6 +342,13 @@ def test_manifest_cannot_name_a_file_outside(ckpt: Path, tmp_path: Path) -> None
     manifest["files"]["../secret"] = {"crc32": "00000000", "size": 0}
     (ckpt / MANIFEST_FILE).write_text(json.dumps(manifest))
     refused_everywhere(ckpt, tmp_path, CheckpointCorruptError, r"'\.\./secret'")
+
+
+def test_a_manifest_name_no_file_system_can_hold_is_refused(ckpt: Path, tmp_path: Path) -> None:
+    manifest = json.loads((ckpt / MANIFEST_FILE).read_text())
+    manifest["files"]["\ud800.distcp"] = {"crc32": "00000000", "size": 0}  # a lone surrogate
+    (ckpt / MANIFEST_FILE).write_text(json.dumps(manifest))  # JSON carries it as "\\ud800"
+    refused_everywhere(ckpt, tmp_path, CheckpointCorruptError, r"'\\ud800\.distcp'.*not a plain")
 
 
 def test_symlinks_may_not_leave_the_folder(ckpt: Path, tmp_path: Path) -> None:
@@ -335,6 +392,29 @@ def test_tensor_chunks_must_cover_it_exactly_once(ckpt: Path, tmp_path: Path, da
     refused_everywhere(ckpt, tmp_path, CheckpointCorruptError, rf"0\.weight.*{match}")
     with pytest.raises(CheckpointCorruptError, match=match):
         consolidate(ckpt, tmp_path / "plain.safetensors")
+
+
+def test_tensors_may_not_share_bytes_on_disk(ckpt: Path, tmp_path: Path) -> None:
+    # 200 tensors read from the weight's bytes: a consolidated file 200 times the checkpoint.
+    md = metadata(ckpt)
+    ((index, info),) = [(i, v) for i, v in md.storage_data.items() if i.fqn == WEIGHT]
+    for n in range(200):
+        key = f"state_dict.copy{n}.weight"
+        md.state_dict_metadata[key] = md.state_dict_metadata[WEIGHT]
+        md.storage_data[type(index)(key, index.offset, index.index)] = info
+    dump(ckpt, md)
+    refused_everywhere(ckpt, tmp_path, CheckpointCorruptError, "0\\.weight' and .* share bytes")
+
+
+def test_a_value_nested_too_deeply_to_print_is_a_named_error(ckpt: Path, tmp_path: Path) -> None:
+    # A list nested 100,000 deep as a planner_data key: its repr() in the message recursed.
+    md = metadata(ckpt)
+    md.planner_data = {MARKER: ("a",)}
+    data = pickle.dumps(md, protocol=2)
+    needle = hostile.string(MARKER)
+    assert data.count(needle) == 1
+    write_metadata(ckpt, data.replace(needle, b"(" * 100_000 + b"l" * 100_000))
+    refused_everywhere(ckpt, tmp_path, CheckpointCorruptError, "nested too deeply")
 
 
 # ------------------------------------------------------------------ 6: no hang

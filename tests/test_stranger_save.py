@@ -121,6 +121,17 @@ def test_restored_paths_inside_the_directory_are_kept(tmp_path: Path) -> None:
     assert state["last_model_path"] == state["kth_best_model_path"] == ""
 
 
+@pytest.mark.parametrize("odd", ["a\x00b.ckpt", "\ud800.ckpt"])
+def test_restored_paths_no_file_system_can_hold_are_dropped(tmp_path: Path, odd: str) -> None:
+    # A NUL or a lone surrogate made resolving the path raise a bare ValueError on resume.
+    callback = ModelCheckpoint(dirpath=tmp_path / "ck")
+    bad = str(tmp_path / "ck" / odd)
+    state = {"best_model_path": bad, "best_k_models": {bad: 1.0}}
+    meta = {"callbacks": {callback.state_key: state}}
+    dropped = confine_restored_callbacks(meta, SimpleNamespace(callbacks=[callback]))
+    assert len(dropped) == 2 and state["best_model_path"] == "" and state["best_k_models"] == {}
+
+
 # ------------------------------------------------------------------ 7: deletes only its own
 
 
@@ -325,3 +336,14 @@ def test_signed_manifests_refuse_unsigned_and_foreign_checkpoints(
     assert code == 2 and "CheckpointSignatureError" in err and not out.exists()
     with pytest.raises(ValueError, match="at least 16"):
         load_sharded(signed, model, [opt], key=b"short")
+
+
+@pytest.mark.parametrize("mac", ["\u00e9" * 64, "\ud800" * 64, 7])
+def test_a_forged_signature_of_any_text_is_refused_by_name(tmp_path: Path, mac: object) -> None:
+    signed = tmp_path / "signed.ckpt"
+    make_checkpoint(signed, key=KEY)
+    manifest = json.loads((signed / MANIFEST_FILE).read_text())
+    manifest["signature"]["mac"] = mac  # hmac.compare_digest refuses non-ASCII text itself
+    (signed / MANIFEST_FILE).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointSignatureError, match="signature does not match"):
+        load_sharded(signed, small_model()[0], [], key=KEY)

@@ -12,7 +12,8 @@ then :func:`check_metadata` refuses what DCP would trip over or what would reach
   memory, none written twice), each chunk within the tensor;
 - every chunk has one file slice, in a file named by a plain name inside the folder, no longer
   than the chunk can be (so a tensor never outgrows the bytes on disk), with no stream
-  transforms (compression) that could inflate;
+  transforms (compression) that could inflate, and no two slices sharing bytes of a file (so
+  all tensors together never outgrow the files either);
 - the whole walk is bounded by the file's object budget (:class:`CheckpointLimits`).
 """
 
@@ -161,6 +162,13 @@ def check_metadata(metadata: Any, file: Path, budget: int) -> Metadata:
         CheckpointLimitError: when the walk exceeds the budget.
     """
     c = _Checker(file, budget)
+    try:
+        return _check_all(c, metadata)
+    except RecursionError as err:  # repr() of a value nested thousands deep, for a message
+        raise c.corrupt("a value is nested too deeply to be anything DCP writes") from err
+
+
+def _check_all(c: _Checker, metadata: Any) -> Metadata:
     version = c.field(metadata, Metadata, "version")
     if version not in DCP_METADATA_VERSIONS:
         raise c.corrupt(f"written by an unknown DCP version {version!r:.40}")
@@ -301,7 +309,28 @@ def _check_storage(
     missing += [f for f in entries if f not in chunks and (f, None) not in found]
     if missing:
         raise c.corrupt(f"chunks without a file slice: {missing[:5]}")
+    _check_disjoint(c, found)
     return {index: info for index, info, _ in found.values()}
+
+
+def _check_disjoint(c: _Checker, found: dict[tuple[str, Any], Any]) -> None:
+    """Refuses two slices sharing bytes of a file (DCP writes each item once, in its own bytes).
+
+    Without this, every tensor of a checkpoint could be read from the same bytes: a tensor
+    never outgrows the bytes on disk, but thousands of them could, and a model built from the
+    checkpoint's hyper-parameters (or a consolidated file) would cost that many times its files.
+    """
+    spans: dict[str, list[tuple[int, int, str]]] = {}
+    for (fqn, _), (_, info, name) in found.items():
+        spans.setdefault(name, []).append((info.offset, info.offset + info.length, fqn))
+    for name, listed in spans.items():
+        listed.sort()
+        for (_, end, first), (start, _, second) in zip(listed, listed[1:], strict=False):
+            if start < end:
+                raise c.corrupt(
+                    f"the slices of {first!r} and {second!r} share bytes of {name!r} (each "
+                    "entry is written once, in bytes of its own)"
+                )
 
 
 def storage_files(metadata: Metadata) -> dict[str, int]:

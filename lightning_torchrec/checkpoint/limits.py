@@ -32,6 +32,10 @@ class CheckpointLimits:
             reached. Pickle needs at least one byte per reference, so a file that expands beyond
             a few objects per byte is built on shared references (a "billion laughs"). Default 4.
         min_objects: the object budget of small files (default 100,000: milliseconds of work).
+        max_depth: how deep containers in ``meta.pt`` and ``param_groups`` may nest (default
+            100; Lightning's checkpoint dict nests about 10 deep). A few bytes a level build a
+            list nested thousands deep, which ``copy.deepcopy`` (``save_hyperparameters``) and
+            ``repr`` fail on with a bare ``RecursionError``.
     """
 
     max_metadata_bytes: int = 256 * MiB
@@ -39,6 +43,7 @@ class CheckpointLimits:
     max_manifest_bytes: int = 64 * MiB
     objects_per_byte: int = 4
     min_objects: int = 100_000
+    max_depth: int = 100
 
     def object_budget(self, size: int) -> int:
         """The objects a file of ``size`` bytes may unpickle into.

@@ -80,12 +80,20 @@ def is_plain_name(name: Any) -> bool:
         name: a candidate file name.
 
     Returns:
-        True for a non-empty string without path separators or NUL that is not ``.``/``..``.
+        True for a non-empty string without path separators or NUL that is not ``.``/``..``
+        and that the file system can name (a lone surrogate, which a JSON manifest
+        can carry, cannot be encoded: opening it would raise ``UnicodeEncodeError``).
     """
     if not isinstance(name, str) or name in ("", ".", ".."):
         return False
     separators = {"/", "\0", os.sep} | ({os.altsep} if os.altsep else set())
-    return not any(s in name for s in separators)
+    if any(s in name for s in separators):
+        return False
+    try:
+        os.fsencode(name)
+    except UnicodeError:
+        return False
+    return True
 
 
 def check_plain_name(name: Any, where: str) -> str:
@@ -118,9 +126,14 @@ def is_inside(path: str | Path, folder: str | Path) -> bool:
         folder: a directory.
 
     Returns:
-        True when the resolved path is below the resolved folder (not the folder itself).
+        True when the resolved path is below the resolved folder (not the folder itself); False
+        for a path no file system can hold (a NUL byte or a lone surrogate, which a string
+        restored from a checkpoint can carry).
     """
-    real, top = os.path.realpath(path), os.path.realpath(folder)
+    try:
+        real, top = os.path.realpath(path), os.path.realpath(folder)
+    except ValueError:  # embedded NUL; UnicodeEncodeError
+        return False
     return real != top and os.path.commonpath([real, top]) == top
 
 

@@ -123,7 +123,10 @@ def check_signature(manifest: dict[str, Any] | None, key: bytes, where: Path) ->
         raise CheckpointSignatureError(f"Refusing to load {where}: it is not signed. {fix}")
     expected = hmac.new(key, _payload(manifest), hashlib.sha256).hexdigest()
     mac = sig.get("mac")
-    if not isinstance(mac, str) or not hmac.compare_digest(mac, expected):
+    # compare_digest raises TypeError for a str with non-ASCII characters: compare bytes.
+    if not isinstance(mac, str) or not hmac.compare_digest(
+        mac.encode("utf-8", "surrogatepass"), expected.encode()
+    ):
         raise CheckpointSignatureError(
             f"Refusing to load {where}: its manifest's signature does not match the key (signed "
             f"with another key, or changed after signing). {fix}"

@@ -6,7 +6,9 @@ legacy tensor constructors allocate what the file asks, and a tensor view with z
 claims more elements than its storage holds. :func:`load_torch_bytes` closes those before and
 after ``torch.load`` runs, on bytes already in memory (so what is parsed is what was verified):
 
-- the zip must be one ``torch.save`` writes: every entry stored uncompressed, sizes consistent;
+- the zip must be one ``torch.save`` writes: every entry stored uncompressed, sizes consistent,
+  checked on the archive as torch itself reads it (:mod:`lightning_torchrec.compat.torch_zip`:
+  Python's ``zipfile`` can be shown another archive in the same file);
 - the pickle may name only the globals a plain ``torch.save`` of tensors and containers uses
   (:data:`TORCH_FILE_GLOBALS`): tensors and their storages, ``OrderedDict``, ``set``, bytes,
   ``torch.Size``, ``torch.device`` and dtypes; anything else is refused before it is resolved;
@@ -17,6 +19,7 @@ after ``torch.load`` runs, on bytes already in memory (so what is parsed is what
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import pickletools
 import zipfile
@@ -26,6 +29,7 @@ from typing import Any
 import torch
 
 from lightning_torchrec.checkpoint.limits import DEFAULT_LIMITS, CheckpointLimits
+from lightning_torchrec.compat.torch_zip import ZIP_MAGIC, TorchZip
 from lightning_torchrec.errors import (
     CheckpointCorruptError,
     CheckpointLimitError,
@@ -99,30 +103,21 @@ class FileSlice(io.RawIOBase):
 
 
 def _data_pickle(data: bytes | Path | FileSlice, file: Path, cap: int | None = None) -> bytes:
-    """The pickle of a ``torch.save`` zip (bytes, a file or a slice), once nothing inflates."""
+    """The pickle ``torch.load`` reads from a ``torch.save`` zip (bytes, a file or a slice).
+
+    Checked on both readings of the archive (see :mod:`lightning_torchrec.compat.torch_zip`):
+    ``zipfile``'s, for a compressed entry, and torch's, which is the one loaded: its entries
+    may not claim more bytes than the file holds (so nothing inflates), and its pickle is
+    returned. A file that does not start with a zip entry is refused (``torch.load`` would read
+    it as a legacy pickle, past any check of the archive appended to it).
+    """
     try:
+        if isinstance(data, Path):
+            with open(data, "rb") as stream:
+                return _checked_pickle(stream, os.fstat(stream.fileno()).st_size, file, cap)
         if isinstance(data, bytes):
-            size, source = len(data), io.BytesIO(data)
-        elif isinstance(data, FileSlice):
-            size, source = data.length, data
-        else:
-            size, source = data.stat().st_size, data
-        with zipfile.ZipFile(source) as z:
-            infos = z.infolist()
-            for info in infos:
-                if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
-                    raise CheckpointCorruptError(
-                        f"{file} holds a compressed entry ({info.filename!r}); torch.save never "
-                        "compresses, and it is refused unread (it could inflate without bound)"
-                    )
-            if sum(i.file_size for i in infos) > size:
-                raise CheckpointCorruptError(f"{file}: its zip entries claim more than the file")
-            names = [i.filename for i in infos if i.filename.endswith("data.pkl")]
-            if len(names) != 1:
-                raise CheckpointCorruptError(f"{file} is not a torch.save file (no data.pkl)")
-            if cap is not None and z.getinfo(names[0]).file_size > cap:
-                raise CheckpointCorruptError(f"{file}: its pickle is larger than {cap} bytes")
-            return z.read(names[0])
+            return _checked_pickle(io.BytesIO(data), len(data), file, cap)
+        return _checked_pickle(data, data.length, file, cap)
     except CheckpointCorruptError:
         raise
     except Exception as err:  # noqa: BLE001 - a zip that cannot be read: a damaged file
@@ -130,6 +125,32 @@ def _data_pickle(data: bytes | Path | FileSlice, file: Path, cap: int | None = N
             f"{file} cannot be read (truncated or damaged; not a torch.save zip file): "
             f"{type(err).__name__}: {err}"
         ) from err
+
+
+def _checked_pickle(source: Any, size: int, file: Path, cap: int | None) -> bytes:
+    source.seek(0)
+    if source.read(len(ZIP_MAGIC)) != ZIP_MAGIC:
+        raise CheckpointCorruptError(
+            f"{file} is not a torch.save zip file (it does not start with a zip entry; torch.load "
+            "would read it as a legacy pickle, which this package never writes)"
+        )
+    source.seek(0)
+    with zipfile.ZipFile(source) as z:
+        for info in z.infolist():
+            if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+                raise CheckpointCorruptError(
+                    f"{file} holds a compressed entry ({info.filename!r}); torch.save never "
+                    "compresses, and it is refused unread (it could inflate without bound)"
+                )
+    archive = TorchZip(source)
+    names = archive.names()
+    if sum(archive.size(name) for name in names) > size:
+        raise CheckpointCorruptError(f"{file}: its zip entries claim more than the file")
+    if names.count("data.pkl") != 1:
+        raise CheckpointCorruptError(f"{file} is not a torch.save file (no data.pkl)")
+    if cap is not None and archive.size("data.pkl") > cap:
+        raise CheckpointCorruptError(f"{file}: its pickle is larger than {cap} bytes")
+    return archive.read("data.pkl")
 
 
 def _check_globals(pkl: bytes, file: Path) -> None:
@@ -154,24 +175,30 @@ def _check_globals(pkl: bytes, file: Path) -> None:
         raise CheckpointCorruptError(f"{file} cannot be read (damaged pickle): {err}") from err
 
 
-def check_expansion(obj: Any, budget: int, file: Path) -> None:
+def check_expansion(
+    obj: Any, budget: int, file: Path, max_depth: int = DEFAULT_LIMITS.max_depth
+) -> None:
     """Walks what a file unpickled into, refusing more than ``budget`` objects or bloated tensors.
 
     Shared references are counted each time they are reached, so the walk (and anything that
-    later walks the object) stays within the budget.
+    later walks the object) stays within the budget. Containers may nest ``max_depth`` deep: a
+    few bytes a level build a list nested thousands deep, which anything that walks it by
+    recursion (``copy.deepcopy`` in Lightning's ``save_hyperparameters``, ``repr``) fails on
+    with a bare ``RecursionError``.
 
     Args:
         obj: the unpickled object.
         budget: the objects allowed (:meth:`CheckpointLimits.object_budget`).
         file: the file, for the message.
+        max_depth: the deepest nesting of containers allowed (:class:`CheckpointLimits`).
 
     Raises:
-        CheckpointLimitError: when the object graph exceeds the budget.
+        CheckpointLimitError: when the object graph exceeds the budget or the depth.
         CheckpointCorruptError: for a tensor claiming more elements than its storage holds.
     """
-    stack, seen = [obj], 0
+    stack, seen = [(obj, 0)], 0
     while stack:
-        item = stack.pop()
+        item, depth = stack.pop()
         seen += 1
         if seen > budget:
             raise CheckpointLimitError(
@@ -188,11 +215,19 @@ def check_expansion(obj: Any, budget: int, file: Path) -> None:
                     f"{file} holds a tensor of {item.numel()} elements on a storage of "
                     f"{item.untyped_storage().nbytes()} bytes (a view that repeats its data)"
                 )
-        elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
+            continue
+        if isinstance(item, dict):
+            items = [*item.keys(), *item.values()]
         elif isinstance(item, list | tuple | set | frozenset):
-            stack.extend(item)
+            items = list(item)
+        else:
+            continue
+        if items and depth >= max_depth:
+            raise CheckpointLimitError(
+                f"{file} nests containers more than {max_depth} deep; refused. If you trust "
+                "it, raise CheckpointLimits.max_depth."
+            )
+        stack.extend((child, depth + 1) for child in items)
 
 
 def load_torch_bytes(
@@ -246,7 +281,7 @@ def load_torch_bytes(
         ) from err
     if weights_only:
         size = len(data) if isinstance(data, bytes) else data.length
-        check_expansion(obj, limits.object_budget(size), file)
+        check_expansion(obj, limits.object_budget(size), file, limits.max_depth)
     return obj
 
 

@@ -22,11 +22,13 @@ can run code when it is loaded or first called:
 - a graph node's target (``"target"``, ``"as_operator"``): any attribute reached from
   ``torch``, ``operator`` or ``math`` by its dotted name, called when the graph runs.
 
-:func:`check_pt2` reads the archive as a zip file first (nothing in it is unpickled or
-evaluated) and refuses, with :class:`~lightning_torchrec.errors.UnsafeCheckpointError` naming
-the file and the entry, anything but what ``torch.export.save`` writes for a program of tensors:
-the entries it names, tensors stored raw, example inputs that load ``weights_only``, symbolic
-sizes and guards of a small grammar, and targets that are registered operators
+:func:`check_pt2` reads the archive as a zip file first, as Python's ``zipfile`` and as
+torch's own reader read it (:mod:`lightning_torchrec.compat.torch_zip`: one file can hold a
+different archive for each; nothing in either is unpickled or evaluated) and refuses, with
+:class:`~lightning_torchrec.errors.UnsafeCheckpointError` naming the file and the entry,
+anything but what ``torch.export.save`` writes for a program of tensors: the entries it
+names, tensors stored raw, example inputs that load ``weights_only``, symbolic sizes and
+guards of a small grammar, and targets that are registered operators
 (``torch.ops.<namespace>.<op>.<overload>``) or plain arithmetic. :func:`load_pt2` checks, then
 loads the same open file; :func:`load_torchscript` loads a TorchScript file. A file that is not
 a readable archive raises :class:`~lightning_torchrec.errors.CheckpointCorruptError` naming it.
@@ -39,18 +41,20 @@ checked.
 from __future__ import annotations
 
 import ast
-import io
 import json
 import re
 import warnings
 import zipfile
 import zlib
 from pathlib import Path
+from types import SimpleNamespace
 from typing import IO, Any
 
 import torch
 
 from lightning_torchrec.checkpoint.limits import DEFAULT_LIMITS
+from lightning_torchrec.checkpoint.torch_files import load_torch_bytes
+from lightning_torchrec.compat.torch_zip import TorchZip
 from lightning_torchrec.errors import (
     CheckpointCorruptError,
     CheckpointLimitError,
@@ -224,7 +228,7 @@ def _check_payloads(path: Path, entry: str, config: Any, folder: str, names: set
             raise _unsafe(path, entry, f"has no raw tensor for {fqn!r}")
 
 
-def _read(path: Path, archive: zipfile.ZipFile, name: str, cap: int) -> bytes:
+def _read(path: Path, archive: zipfile.ZipFile | _TorchReading, name: str, cap: int) -> bytes:
     """An entry's bytes, refused before reading when it says it is larger than ``cap``."""
     size = archive.getinfo(name).file_size  # zipfile reads no more than this
     if size > cap:
@@ -235,7 +239,7 @@ def _read(path: Path, archive: zipfile.ZipFile, name: str, cap: int) -> bytes:
     return archive.read(name)
 
 
-def _read_json(path: Path, archive: zipfile.ZipFile, name: str) -> Any:
+def _read_json(path: Path, archive: zipfile.ZipFile | _TorchReading, name: str) -> Any:
     data = _read(path, archive, name, DEFAULT_LIMITS.max_metadata_bytes)
     try:
         return json.loads(data)
@@ -257,16 +261,43 @@ def check_pt2(path: str | Path, file: IO[bytes] | None = None) -> None:
             :data:`~lightning_torchrec.checkpoint.limits.DEFAULT_LIMITS` allows.
     """
     path = Path(path)
+    if file is None:
+        with open(path, "rb") as opened:
+            check_pt2(path, opened)
+        return
     try:
-        with zipfile.ZipFile(file if file is not None else path) as archive:
+        file.seek(0)
+        with zipfile.ZipFile(file) as archive:  # what torch.export.load's fallback reads
             _check_archive(path, archive)
+        # What torch.export.load reads first: one file can hold another archive for it.
+        _check_archive(path, _TorchReading(TorchZip(file)))
     except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, zlib.error) as err:
-        if isinstance(err, FileNotFoundError):
-            raise
         raise CheckpointCorruptError(f"{path}: not a readable .pt2 archive: {err}") from err
+    except RuntimeError as err:  # torch's reader
+        raise CheckpointCorruptError(
+            f"{path}: not a readable .pt2 archive for torch's reader: {str(err).splitlines()[0]}"
+        ) from err
 
 
-def _check_archive(path: Path, archive: zipfile.ZipFile) -> None:
+class _TorchReading:
+    """The archive as torch's reader sees it, through the part of ``ZipFile`` the check uses."""
+
+    root = "archive"  # torch's reader requires one root folder and names entries below it
+
+    def __init__(self, archive: TorchZip) -> None:
+        self.archive = archive
+
+    def namelist(self) -> list[str]:
+        return [f"{self.root}/{name}" for name in self.archive.names()]
+
+    def getinfo(self, name: str) -> Any:
+        return SimpleNamespace(file_size=self.archive.size(name.split("/", 1)[1]))
+
+    def read(self, name: str) -> bytes:
+        return self.archive.read(name.split("/", 1)[1])
+
+
+def _check_archive(path: Path, archive: zipfile.ZipFile | _TorchReading) -> None:
     full = archive.namelist()
     if len(set(full)) != len(full):  # zipfile and torch's reader may pick different copies
         raise _unsafe(path, "(several)", "appears more than once")
@@ -298,8 +329,11 @@ def _check_archive(path: Path, archive: zipfile.ZipFile) -> None:
 def _check_sample_inputs(path: Path, entry: str, data: bytes) -> None:
     if not data:  # what the package's export writes
         return
-    try:  # what torch tries first; only if it fails does torch unpickle without weights_only
-        torch.load(io.BytesIO(data), weights_only=True)
+    # What torch tries first (weights_only) and only if it fails unpickles without. Loaded as a
+    # checkpoint's file is: no global beyond a tensor's, nothing allocated beyond the entry's
+    # size (weights_only alone allows bytearray(n): gigabytes from a few bytes).
+    try:
+        load_torch_bytes(data, Path(entry))
     except Exception as err:  # noqa: BLE001 - every failure means torch's fallback would run
         raise _unsafe(path, entry, f"does not load weights_only ({err!s:.200})") from err
 

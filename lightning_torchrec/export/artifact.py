@@ -42,6 +42,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from lightning_torchrec.checkpoint.outputs import USER_ERRORS, OwnedTemp, check_output, user_error
 from lightning_torchrec.checkpoint.signing import read_key_file
 from lightning_torchrec.compat.upstream import drop_unused_range_constraints
+from lightning_torchrec.errors import CheckpointCorruptError
 from lightning_torchrec.export.archive import load_pt2, load_torchscript
 from lightning_torchrec.export.modules import describe_call, strip_table_buffers
 from lightning_torchrec.export.quantize import DTYPES, quantize_from_checkpoint
@@ -315,9 +316,16 @@ def load_artifact(path: str | Path) -> Any:
         CheckpointCorruptError: a file that cannot be read as an artifact, naming it.
     """
     path = Path(path)
-    if path.suffix == ".pt2":
-        return ServedModel(load_pt2(path).module())
-    return ServedModel(load_torchscript(path))
+    if path.suffix != ".pt2":
+        return ServedModel(load_torchscript(path))
+    program = load_pt2(path)
+    try:  # binds the archive's example inputs, if any, to the program's signature
+        module = program.module()
+    except (TypeError, ValueError, RuntimeError, AssertionError) as err:
+        raise CheckpointCorruptError(
+            f"{path}: its exported program cannot be made a module: {err!s:.500}"
+        ) from err
+    return ServedModel(module)
 
 
 def main(argv: list[str] | None = None) -> ExportResult:

@@ -141,3 +141,69 @@ def torch_bytes(obj: Any) -> bytes:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return buffer.getvalue()
+
+
+def legacy_prefixed(obj: Any, zipped: bytes) -> bytes:
+    """``torch.save`` of ``obj`` in the legacy (pickle) format, then the archive ``zipped``.
+
+    ``zipfile`` finds the archive at the end; ``torch.load`` reads the legacy pickle first.
+    """
+    buffer = io.BytesIO()
+    torch.save(obj, buffer, _use_new_zipfile_serialization=False)
+    return buffer.getvalue() + zipped
+
+
+def _stored(data: bytes) -> tuple[bytes, bytearray, int]:
+    """A zip rewritten with every entry stored: (entries, central directory, entry count)."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(data)) as src, zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info))
+    raw = out.getvalue()
+    end = raw.rindex(b"PK\x05\x06")
+    count, size, offset = struct.unpack("<HII", raw[end + 10 : end + 20])
+    return raw[:offset], bytearray(raw[offset : offset + size]), count
+
+
+def _directory_entries(directory: bytearray) -> list[int]:
+    starts, pos = [], 0
+    while pos < len(directory):
+        starts.append(pos)
+        name, extra, comment = struct.unpack("<HHH", directory[pos + 28 : pos + 34])
+        pos += 46 + name + extra + comment
+    return starts
+
+
+def two_faced(torch_sees: bytes, zipfile_sees: bytes) -> bytes:
+    """One file holding two zip archives: torch's reader (miniz) reads the central directory
+    at the offset the end record states, Python's ``zipfile`` the one just before the end
+    record (taking what precedes its archive as a prefix).
+    """
+    first, first_dir, count = _stored(torch_sees)
+    second, second_dir, _ = _stored(zipfile_sees)
+    size = max(len(first_dir), len(second_dir))
+    for directory in (first_dir, second_dir):  # equal sizes: pad the last entry's comment
+        last = _directory_entries(directory)[-1]
+        (comment,) = struct.unpack("<H", directory[last + 32 : last + 34])
+        struct.pack_into("<H", directory, last + 32, comment + size - len(directory))
+        directory += b" " * (size - len(directory))
+    first += bytes(max(0, len(second) - len(first)))
+    shift = len(first) - len(second)  # zipfile adds the prefix length (len(second) + size)
+    for pos in _directory_entries(second_dir):
+        (offset,) = struct.unpack("<I", second_dir[pos + 42 : pos + 46])
+        struct.pack_into("<I", second_dir, pos + 42, offset + shift)
+    end = b"PK\x05\x06" + struct.pack("<HHHHIIH", 0, 0, count, count, size, len(first), 0)
+    return first + bytes(first_dir) + second + bytes(second_dir) + end
+
+
+def replace_in_pickle(data: bytes, old: bytes, new: bytes) -> bytes:
+    """A ``torch.save`` zip whose ``data.pkl`` has ``old`` (found once) replaced by ``new``."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(data)) as src, zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            entry = src.read(info)
+            if info.filename.endswith("/data.pkl"):
+                assert entry.count(old) == 1
+                entry = entry.replace(old, new)
+            dst.writestr(info.filename, entry)
+    return out.getvalue()
