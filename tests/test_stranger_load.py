@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import torch
 from lightning.pytorch import LightningModule
+from torch.distributed.checkpoint.metadata import Metadata, TensorProperties, TensorStorageMetadata
 
 from lightning_torchrec.checkpoint import (
     iter_plain_tensors,
@@ -34,11 +35,13 @@ from lightning_torchrec.checkpoint import (
 )
 from lightning_torchrec.checkpoint.consolidate import consolidate
 from lightning_torchrec.checkpoint.limits import CheckpointLimits
+from lightning_torchrec.checkpoint.load import check_compatible
 from lightning_torchrec.checkpoint.manifest import MANIFEST_FILE
 from lightning_torchrec.compat.upstream import dcp_metadata_classes
 from lightning_torchrec.errors import (
     CheckpointCorruptError,
     CheckpointLimitError,
+    CheckpointMismatchError,
     UnsafeCheckpointError,
 )
 from tests.helpers import ROOT, clean_env
@@ -503,3 +506,21 @@ def test_odd_metadata_is_a_named_error(ckpt: Path, tmp_path: Path, change: str, 
     assert proc.returncode == 2, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
     assert error.__name__ in proc.stderr and not list(tmp_path.glob("o*"))
+
+
+def test_a_mismatch_with_many_long_names_is_reported_briefly(tmp_path: Path) -> None:
+    """The message listed every table a stranger's metadata names, at any length (megabytes)."""
+    props = TensorProperties(dtype=torch.float32)
+    stored = {
+        f"state_dict.t{i:03d}_{'x' * 5000}.embedding_bags.t{i}.weight": TensorStorageMetadata(
+            props, torch.Size([2, 2]), []
+        )
+        for i in range(500)
+    }
+    target = {"state_dict": {"t.embedding_bags.own.weight": torch.zeros(2, 2)}}
+    with pytest.raises(CheckpointMismatchError) as caught:
+        check_compatible(tmp_path, target, "model", metadata=Metadata(stored))
+    message = str(caught.value)
+    assert len(message) < 12_000, len(message)
+    assert "not in the target (500 entries; tables ['t0'" in message
+    assert "... 480 more" in message and "missing from the checkpoint (1 entries" in message

@@ -126,12 +126,19 @@ def check_compatible(
     lines = [f"{path} does not match the {what} it is loaded into (rank {this_rank()}):"]
     for label, keys in (("missing from the checkpoint", missing), ("not in the target", extra)):
         if keys:
-            tables = sorted({table_of_key(k.split(".", 1)[1]) for k in keys})
-            lines.append(f"- {label} ({len(keys)} entries; tables {tables}): {sorted(keys)[:20]}")
+            tables = {table_of_key(k.split(".", 1)[1]) for k in keys}
+            lines.append(f"- {label} ({len(keys)} entries; tables {_few(tables)}): {_few(keys)}")
     if wrong:
-        tables = sorted({table_of_key(w.split(":")[0].split(".", 1)[1]) for w in wrong})
-        lines.append(f"- shapes differ (tables {tables}): " + "; ".join(wrong[:20]))
+        tables = {table_of_key(w.split(":")[0].split(".", 1)[1]) for w in wrong}
+        lines.append(f"- shapes differ (tables {_few(tables)}): " + "; ".join(_few(wrong)))
     raise CheckpointMismatchError("\n".join(lines))
+
+
+def _few(names: Any, most: int = 20, width: int = 200) -> list[str]:
+    """The first ``most`` names (sorted, each cut at ``width``): a stranger's may be many."""
+    ordered = sorted(names)
+    shown = [n if len(n) <= width else n[:width] + "..." for n in ordered[:most]]
+    return shown + ([f"... {len(ordered) - most} more"] if len(ordered) > most else [])
 
 
 def _saved_world_size(folder: CheckpointFolder, meta: dict[str, Any]) -> int:
