@@ -352,6 +352,34 @@ def phases_table(out: Path) -> list[str]:
     return [*lines, ""]
 
 
+def instructions_table(out: Path) -> list[str]:
+    """Instructions per training step under cachegrind (empty without its result file)."""
+    r = _load(out, "step_instructions_benchmark") or _load(out, "step_instructions_tiny")
+    if not r or "best_raw" not in r:
+        return []
+    short, long = r["steps"]
+    lines = [
+        "## Instructions per step: the Trainer against raw TorchRec loops (CPU, 2 gloo ranks)",
+        "",
+        f"{_size(r['size'])}; each variant run for {short} and for {long} steps under "
+        "`valgrind --tool=cachegrind`, on the same cached batches: the difference in executed "
+        f"instructions over the {long - short} steps between, per rank, mean of the ranks. "
+        "Counts do not move with the load of a shared host (step times do); they leave out "
+        "cache misses and waits. Ratio: over the best raw loop (**bold**). "
+        "`python -m benchmarks.step_instructions` (about an hour; not part of `make bench`).",
+        "",
+        "| variant | instructions per step | per rank | ratio |",
+        "|---|---|---|---|",
+    ]
+    for name, v in r["variants"].items():
+        shown = f"**{name}**" if name == r["best_raw"] else name
+        ranks = ", ".join(f"{x / 1e6:.2f}M" for x in v["per_step_by_rank"])
+        lines.append(
+            f"| {shown} | {v['per_step'] / 1e6:.2f}M | {ranks} | {v['ratio_to_best_raw']:.3f} |"
+        )
+    return [*lines, ""]
+
+
 def overhead_table(out: Path) -> list[str]:
     """Benchmark 1: the Trainer against both raw loops, in blocks (empty without its file)."""
     r = _load(out, "strategy_overhead")
@@ -420,6 +448,7 @@ def table(out: Path) -> str:
     lines += pipeline_table(out)
     lines += step_cost_table(out)
     lines += phases_table(out)
+    lines += instructions_table(out)
     lines += vote_ahead_table(out)
     lines += semi_sync_table(out)
     lines += fork_race_table(out)
