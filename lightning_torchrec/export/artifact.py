@@ -219,7 +219,8 @@ def export(
             checkpoint's saved ``hyper_parameters``), a class, or an instance (modified in
             place: its EBCs and ECs are replaced by quantized ones).
         output: where to write the artifact (and ``OUT.json`` beside it, describing the inputs);
-            None writes nothing (the artifact is in the result).
+            None writes nothing (the artifact is in the result). An existing file is replaced
+            (the command line asks for ``--overwrite``); a path inside the checkpoint is refused.
         dtype: table dtype: ``"int8"``, ``"int4"`` (row-wise, per-row fp16 scale and bias),
             ``"fp16"`` or ``"fp32"``. Dense layers stay fp32.
         format: ``"pt2"`` (``torch.export``) or ``"torchscript"``.
@@ -234,7 +235,9 @@ def export(
         The :class:`ExportResult`.
 
     Raises:
-        ValueError: for an unknown dtype or format, or table widths the dtype cannot pack.
+        ValueError: for an unknown dtype or format, table widths the dtype cannot pack, or an
+            output inside (or equal to) the checkpoint (before anything is read or written).
+        FileExistsError: if ``output`` (or ``OUT.json``) is a directory.
         CheckpointMismatchError: if the checkpoint holds another model, naming the tables.
         FileNotFoundError: if ``checkpoint_dir`` is not a sharded checkpoint directory.
         ImportError: for an unknown module path, naming it.
@@ -244,6 +247,9 @@ def export(
     """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    if output is not None:  # an artifact inside the checkpoint would make it foreign to saves
+        for out in (output, f"{output}.json"):
+            check_output(checkpoint_dir, out, overwrite=True)
     start = time.perf_counter()
     model, facts = quantize_from_checkpoint(checkpoint_dir, module, dtype, verify=verify, key=key)
     args = example_inputs
