@@ -402,6 +402,20 @@ def test_a_checkpoint_lightning_cli_wrote_loads_by_class(fitted, tmp_path: Path)
     assert set(got) == set(expected) and all(torch.equal(got[k], v) for k, v in expected.items())
 
 
+def test_a_file_url_dirpath_lightning_made_a_relative_directory_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lightning's ``ModelCheckpoint`` runs a ``file://`` dirpath through ``os.path.realpath``:
+    ``file:///abs/ck`` became ``./file:/abs/ck``, where every checkpoint of the fit went."""
+    monkeypatch.chdir(tmp_path)
+    callback = ModelCheckpoint(dirpath=f"file://{tmp_path}/ck", every_n_train_steps=1)
+    assert callback.dirpath == f"{tmp_path}/file:{tmp_path}/ck"  # Lightning's own doing
+    t = trainer(tmp_path, callbacks=[callback], enable_checkpointing=True)
+    with pytest.raises(ValueError, match=r"holds a directory named 'file:': a file:// URL"):
+        t.fit(dlrm(), datamodule=data())
+    assert t.global_step == 0 and list(tmp_path.iterdir()) == []
+
+
 def test_one_process_tools_read_a_file_url_as_its_path_and_refuse_other_urls(
     fitted, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
