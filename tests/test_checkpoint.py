@@ -22,7 +22,7 @@ from lightning_torchrec import (
     combine_optimizers,
     dense_parameters,
 )
-from lightning_torchrec.checkpoint import META_FILE, is_sharded_checkpoint
+from lightning_torchrec.checkpoint import META_FILE, is_sharded_checkpoint, load_unsharded
 from lightning_torchrec.checkpoint.consolidate import (
     consolidate,
     load_plain_weights,
@@ -32,6 +32,7 @@ from lightning_torchrec.checkpoint.consolidate import (
 from lightning_torchrec.checkpoint.manifest import MANIFEST_FILE, file_checksum
 from lightning_torchrec.checkpoint.outputs import OwnedTemp
 from lightning_torchrec.errors import CheckpointMismatchError, UnsafeCheckpointError
+from lightning_torchrec.export.artifact import export
 from lightning_torchrec.lightning.preemption import PreemptionCheckpoint
 from lightning_torchrec.training.optim import optimizer_steps, set_optimizer_steps
 from tests.scripts.factory import (
@@ -399,6 +400,47 @@ def test_a_checkpoint_lightning_cli_wrote_loads_by_class(fitted, tmp_path: Path)
     assert "_instantiator" not in loaded.hparams
     got = loaded.state_dict()
     assert set(got) == set(expected) and all(torch.equal(got[k], v) for k, v in expected.items())
+
+
+def test_a_file_url_dirpath_lightning_made_a_relative_directory_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lightning's ``ModelCheckpoint`` runs a ``file://`` dirpath through ``os.path.realpath``:
+    ``file:///abs/ck`` became ``./file:/abs/ck``, where every checkpoint of the fit went."""
+    monkeypatch.chdir(tmp_path)
+    callback = ModelCheckpoint(dirpath=f"file://{tmp_path}/ck", every_n_train_steps=1)
+    assert callback.dirpath == f"{tmp_path}/file:{tmp_path}/ck"  # Lightning's own doing
+    t = trainer(tmp_path, callbacks=[callback], enable_checkpointing=True)
+    with pytest.raises(ValueError, match=r"holds a directory named 'file:': a file:// URL"):
+        t.fit(dlrm(), datamodule=data())
+    assert t.global_step == 0 and list(tmp_path.iterdir()) == []
+
+
+def test_one_process_tools_read_a_file_url_as_its_path_and_refuse_other_urls(
+    fitted, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``load_unsharded``, ``consolidate``, ``export`` and ``load_from_checkpoint`` took a URL as
+    a plain path: ``file:///dir`` raised ``FileNotFoundError`` (``IsADirectoryError`` from
+    ``load_from_checkpoint``), and an ``s3://`` output was written to a local directory ``s3:``."""
+    ckpt, expected = fitted
+    monkeypatch.chdir(tmp_path)
+    url = f"file://{ckpt}"
+    for model in (load_unsharded(url, dlrm()), DLRMClickModule.load_from_checkpoint(url)):
+        got = model.state_dict()
+        assert set(got) == set(expected) and all(
+            torch.equal(got[k], v) for k, v in expected.items()
+        )
+    assert consolidate(url, f"file://{tmp_path}/plain.pt") == tmp_path / "plain.pt"
+    export(url, dlrm(), f"file://{tmp_path}/m.ts", dtype="fp32", format="torchscript")
+    refused = (
+        lambda: load_unsharded("s3://bucket/ck", dlrm()),
+        lambda: consolidate(ckpt, "s3://bucket/plain.pt"),
+        lambda: export(ckpt, dlrm(), "s3://bucket/m.ts", dtype="fp32", format="torchscript"),
+    )
+    for call in refused:
+        with pytest.raises(ValueError, match=r"^s3://bucket/\S+ is a s3:// URL"):
+            call()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.ts", "m.ts.json", "plain.pt"]
 
 
 def test_weights_only_false_given_to_the_trainer_reaches_the_load(fitted, tmp_path: Path) -> None:

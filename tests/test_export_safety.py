@@ -23,7 +23,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from lightning_torchrec.checkpoint import save_sharded
+from lightning_torchrec.checkpoint import save_sharded, written_by_this_package
 from lightning_torchrec.errors import (
     CheckpointCorruptError,
     CheckpointLimitError,
@@ -372,6 +372,20 @@ def test_oversized_or_deeply_nested_descriptions_are_refused_by_name(
     monkeypatch.setattr(archive, "DEFAULT_LIMITS", small)
     with pytest.raises(CheckpointLimitError, match=r"\.json' holds \d+ bytes, over the 1000"):
         check_pt2(artifact)
+
+
+def test_an_output_inside_the_checkpoint_is_refused_before_anything_is_written(
+    saved: tuple[Path, TwoEBCs],
+) -> None:
+    """``export()`` in Python refused it only on the command line: an artifact written into the
+    checkpoint directory made it a folder a later save or ``remove_checkpoint`` calls foreign."""
+    out, _ = saved
+    before = sorted(p.name for p in (out / "ckpt").iterdir())
+    for target in (out / "ckpt" / "inside.ts", out / "ckpt"):
+        with pytest.raises(ValueError, match="is inside the checkpoint"):
+            export(out / "ckpt", TwoEBCs(), target, dtype="fp32", format="torchscript")
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == before
+    assert written_by_this_package(out / "ckpt")
 
 
 def test_untampered_artifact_passes_the_check(artifact: Path) -> None:

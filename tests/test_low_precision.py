@@ -63,6 +63,15 @@ def test_constraints_that_ask_for_data_parallel_are_kept_and_named() -> None:
 
 
 @pytest.mark.usefixtures("one_rank_group")
+def test_a_bf16_table_is_refused_on_cpu_before_planning_naming_it() -> None:
+    """fbgemm's CPU kernels (fused and dense) have no bf16 forward: the first training step
+    failed with a bare ``NotImplementedError`` that named no table."""
+    model = fp16_dlrm((DataType.FP32, DataType.BF16)).model_and_loss.model
+    with pytest.raises(ValueError, match=r"Table\(s\) \['t_cat_1'\] are stored in bf16"):
+        shard_model(model, CPU)
+
+
+@pytest.mark.usefixtures("one_rank_group")
 def test_an_explicit_plan_with_an_fp16_table_on_the_dense_kernel_is_named() -> None:
     model = fp16_dlrm().model_and_loss.model
     ebc = model.sparse_arch.embedding_bag_collection

@@ -41,6 +41,7 @@ from lightning_torchrec.checkpoint.outputs import (
     check_output,
     user_error,
 )
+from lightning_torchrec.checkpoint.paths import local_path
 from lightning_torchrec.checkpoint.signing import read_key_file
 from lightning_torchrec.checkpoint.unsharded import (
     fill_plain,
@@ -83,10 +84,11 @@ def consolidate(
     """Writes the plain (unsharded) model state dict of a sharded checkpoint to one file.
 
     Args:
-        checkpoint: a sharded checkpoint directory.
-        output: the file to write; ``.safetensors`` streams tensor by tensor (memory near the
-            largest table), anything else is written with ``torch.save`` (memory: the model).
-            Written to a fresh temporary file first: a failure leaves nothing behind.
+        checkpoint: a sharded checkpoint directory (a ``file://`` URL is its local path).
+        output: the file to write (a ``file://`` URL is its local path); ``.safetensors``
+            streams tensor by tensor (memory near the largest table), anything else is written
+            with ``torch.save`` (memory: the model). Written to a fresh temporary file first: a
+            failure leaves nothing behind.
         overwrite: replace an existing output (the command line asks for ``--overwrite``).
         key: the key the checkpoint must be signed with (see
             :func:`~lightning_torchrec.checkpoint.signing.resolve_key`).
@@ -100,11 +102,12 @@ def consolidate(
         CheckpointCorruptError: if a file of the checkpoint is damaged, truncated or missing,
             naming it (nothing is written).
         UnsafeCheckpointError: if the checkpoint's metadata would run code when loaded.
-        ValueError: for an output inside the checkpoint, or a dtype safetensors cannot hold.
+        ValueError: for an output inside the checkpoint, a dtype safetensors cannot hold, or a
+            URL of another file system (``s3://...``) as either path.
         FileExistsError: for an existing output without ``overwrite``.
         CheckpointWriteError: if writing the output failed (with the OS's errno).
     """
-    checkpoint, output = Path(checkpoint), Path(output)
+    checkpoint, output = local_path(checkpoint), local_path(output)
     check_output(checkpoint, output, overwrite)
     entries = plain_tensor_index(checkpoint, key=key, limits=limits)  # verifies every file first
     tensors = iter_plain_tensors(checkpoint, verify=False, key=key, limits=limits)
@@ -234,8 +237,8 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m lightning_torchrec.consolidate",
         description="Write a sharded checkpoint's unsharded model state dict to one file.",
     )
-    parser.add_argument("checkpoint", type=Path, help="sharded checkpoint directory")
-    parser.add_argument("output", type=Path, help="output file (.safetensors streams)")
+    parser.add_argument("checkpoint", help="sharded checkpoint directory")
+    parser.add_argument("output", help="output file (.safetensors streams)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
     parser.add_argument(
         "--key-file",

@@ -38,6 +38,8 @@ _OPEN_FLAGS = (
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 #: fsspec's schemes for the local file system, whose paths follow the ``://``.
 _LOCAL_SCHEMES = ("file", "local")
+#: What those schemes become as a directory when their URL is read as a path: ``file:``.
+_LOCAL_DIRS = frozenset(f"{scheme}:" for scheme in _LOCAL_SCHEMES)
 
 
 def local_path(path: str | os.PathLike[str]) -> Path:
@@ -57,11 +59,14 @@ def local_path(path: str | os.PathLike[str]) -> Path:
 
     Raises:
         ValueError: for a URL of another file system, naming it: sharded checkpoints are written
-            by every rank through the local file system.
+            by every rank through the local file system; and for a path holding a directory
+            ``file:`` (``local:``), a ``file://`` URL read as a path (see
+            :func:`refuse_url_read_as_path`).
     """
     text = os.fspath(path)
     match = _URL.match(text)
     if match is None:
+        refuse_url_read_as_path(text)
         return Path(text)
     if match.group(1).lower() in _LOCAL_SCHEMES:
         return Path(text[match.end() :])
@@ -71,6 +76,29 @@ def local_path(path: str | os.PathLike[str]) -> Path:
         "Use a local path, or a path where that storage is mounted on every node (and copy the "
         "directory there after the run if it cannot be mounted)."
     )
+
+
+def refuse_url_read_as_path(path: str) -> None:
+    """Refuses a path that is a ``file://`` URL read as a plain path.
+
+    Lightning's ``ModelCheckpoint`` passes a ``file://`` ``dirpath`` through
+    ``os.path.realpath``: ``file:///ckpts`` becomes the directory ``file:/ckpts`` below the
+    current one, where every checkpoint would then go. The scheme's ``//`` collapses, so
+    ``file:///ckpts`` and ``file://ckpts`` give the same path and the one meant cannot be told.
+
+    Args:
+        path: a path (not a URL).
+
+    Raises:
+        ValueError: if a directory of ``path`` is named ``file:`` or ``local:``, naming it.
+    """
+    scheme = next((p for p in Path(path).parts if p.lower() in _LOCAL_DIRS), None)
+    if scheme is not None:
+        raise ValueError(
+            f"{path} holds a directory named {scheme!r}: a {scheme}// URL read as a plain path "
+            "(Lightning's ModelCheckpoint makes dirpath='file:///ckpts' the directory "
+            "'./file:/ckpts'). Pass the local path itself, e.g. dirpath='/ckpts'."
+        )
 
 
 def is_plain_name(name: Any) -> bool:

@@ -25,6 +25,7 @@ from lightning_torchrec.checkpoint.folder import UNVERIFIED, CheckpointFolder
 from lightning_torchrec.checkpoint.lenient import report
 from lightning_torchrec.checkpoint.limits import CheckpointLimits
 from lightning_torchrec.checkpoint.mc_layout import check_managed_collision_layout
+from lightning_torchrec.checkpoint.paths import local_path
 from lightning_torchrec.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
 from lightning_torchrec.compat.upstream import ShardedTensor
 from lightning_torchrec.errors import (
@@ -77,7 +78,7 @@ def plain_tensor_index(
     One process, no process group.
 
     Args:
-        checkpoint: a sharded checkpoint directory.
+        checkpoint: a sharded checkpoint directory (a ``file://`` URL is its local path).
         verify: check every file against the checksum manifest first (a checkpoint without one
             warns that it cannot be verified; format 2 without one is refused). ``.metadata`` is
             verified in any case before it is parsed.
@@ -90,12 +91,13 @@ def plain_tensor_index(
 
     Raises:
         FileNotFoundError: if ``checkpoint`` is not a complete sharded checkpoint.
+        ValueError: if ``checkpoint`` is a URL of another file system (``s3://...``).
         CheckpointCorruptError: if a file is damaged, truncated or missing, naming it.
         UnsafeCheckpointError: if the DCP metadata would run code, naming the global.
         CheckpointMismatchError: if ``checkpoint`` is a single-file checkpoint.
         CheckpointLimitError: if a file is larger, or expands further, than the limits.
     """
-    return _open(Path(checkpoint), verify, key, limits)[1]
+    return _open(local_path(checkpoint), verify, key, limits)[1]
 
 
 def iter_plain_tensors(
@@ -112,7 +114,7 @@ def iter_plain_tensors(
     tensor is covered exactly once by its chunks, so no element is left uninitialised.
 
     Args:
-        checkpoint: a sharded checkpoint directory.
+        checkpoint: a sharded checkpoint directory (a ``file://`` URL is its local path).
         verify: check the checksums first (see :func:`plain_tensor_index`).
         key: the key the checkpoint must be signed with.
         limits: the reading limits.
@@ -122,10 +124,11 @@ def iter_plain_tensors(
 
     Raises:
         FileNotFoundError: if ``checkpoint`` is not a complete sharded checkpoint.
+        ValueError: if ``checkpoint`` is a URL of another file system (``s3://...``).
         CheckpointCorruptError: if a file is damaged, truncated or missing, naming it.
         UnsafeCheckpointError: if the DCP metadata would run code, naming the global.
     """
-    checkpoint = Path(checkpoint)
+    checkpoint = local_path(checkpoint)
     folder, entries, metadata = _open(checkpoint, verify, key, limits)
     reader = SafeFileSystemReader(checkpoint, metadata, folder)
     for name, meta in entries.items():
@@ -282,7 +285,7 @@ def load_unsharded(
     ``TorchRecModule.load_from_checkpoint(directory)`` calls this.
 
     Args:
-        checkpoint: a sharded checkpoint directory.
+        checkpoint: a sharded checkpoint directory (a ``file://`` URL is its local path).
         module: a module to fill in place, or a module class (e.g. a LightningModule) to build
             from the checkpoint's saved ``hyper_parameters`` (updated with ``init_args``).
         strict: raise when the checkpoint lacks a tensor of the model or has one it lacks (False:
@@ -307,8 +310,9 @@ def load_unsharded(
         CheckpointCorruptError: if a file is damaged, truncated or missing, naming it.
         UnsafeCheckpointError: if a file would run code when loaded, naming it.
         FileNotFoundError: if ``checkpoint`` is not a complete sharded checkpoint.
+        ValueError: if ``checkpoint`` is a URL of another file system (``s3://...``).
     """
-    checkpoint = Path(checkpoint)
+    checkpoint = local_path(checkpoint)
     folder, entries, metadata = _open(checkpoint, True, key, limits)
     shapes = {k: tuple(v.size) for k, v in entries.items()}
     meta = folder.meta(weights_only) if isinstance(module, type) or on_build else {}

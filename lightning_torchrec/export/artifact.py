@@ -40,6 +40,7 @@ from torch.export import Dim, ShapesCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_torchrec.checkpoint.outputs import USER_ERRORS, OwnedTemp, check_output, user_error
+from lightning_torchrec.checkpoint.paths import local_path
 from lightning_torchrec.checkpoint.signing import read_key_file
 from lightning_torchrec.compat.upstream import drop_unused_range_constraints
 from lightning_torchrec.errors import CheckpointCorruptError
@@ -214,12 +215,14 @@ def export(
     """Exports a sharded checkpoint as a quantized inference artifact, in one process.
 
     Args:
-        checkpoint_dir: a sharded checkpoint directory (any world size and plan).
+        checkpoint_dir: a sharded checkpoint directory (any world size and plan; a ``file://``
+            URL is its local path).
         module: the LightningModule: a dotted class path ``pkg.mod.Class`` (built from the
             checkpoint's saved ``hyper_parameters``), a class, or an instance (modified in
             place: its EBCs and ECs are replaced by quantized ones).
         output: where to write the artifact (and ``OUT.json`` beside it, describing the inputs);
-            None writes nothing (the artifact is in the result).
+            None writes nothing (the artifact is in the result). An existing file is replaced
+            (the command line asks for ``--overwrite``); a path inside the checkpoint is refused.
         dtype: table dtype: ``"int8"``, ``"int4"`` (row-wise, per-row fp16 scale and bias),
             ``"fp16"`` or ``"fp32"``. Dense layers stay fp32.
         format: ``"pt2"`` (``torch.export``) or ``"torchscript"``.
@@ -234,7 +237,10 @@ def export(
         The :class:`ExportResult`.
 
     Raises:
-        ValueError: for an unknown dtype or format, or table widths the dtype cannot pack.
+        ValueError: for an unknown dtype or format, table widths the dtype cannot pack, an
+            output inside (or equal to) the checkpoint (before anything is read or written), or
+            a URL of another file system than the local one (``s3://...``) as either path.
+        FileExistsError: if ``output`` (or ``OUT.json``) is a directory.
         CheckpointMismatchError: if the checkpoint holds another model, naming the tables.
         FileNotFoundError: if ``checkpoint_dir`` is not a sharded checkpoint directory.
         ImportError: for an unknown module path, naming it.
@@ -244,6 +250,11 @@ def export(
     """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    checkpoint_dir = local_path(checkpoint_dir)
+    if output is not None:  # an artifact inside the checkpoint would make it foreign to saves
+        output = local_path(output)
+        for out in (output, f"{output}.json"):
+            check_output(checkpoint_dir, out, overwrite=True)
     start = time.perf_counter()
     model, facts = quantize_from_checkpoint(checkpoint_dir, module, dtype, verify=verify, key=key)
     args = example_inputs
@@ -346,8 +357,8 @@ def main(argv: list[str] | None = None) -> ExportResult:
         prog="python -m lightning_torchrec.export",
         description="Export a sharded checkpoint as a quantized inference artifact.",
     )
-    parser.add_argument("checkpoint", type=Path, help="sharded checkpoint directory")
-    parser.add_argument("output", type=Path, help="artifact file (.pt2 or .ts)")
+    parser.add_argument("checkpoint", help="sharded checkpoint directory")
+    parser.add_argument("output", help="artifact file (.pt2 or .ts)")
     parser.add_argument(
         "--module",
         required=True,
@@ -365,14 +376,13 @@ def main(argv: list[str] | None = None) -> ExportResult:
         "--key-file", type=Path, help="refuse checkpoints not signed with the key in this file"
     )
     args = parser.parse_args(argv)
-    fmt = args.format or ("pt2" if args.output.suffix == ".pt2" else "torchscript")
+    fmt = args.format or ("pt2" if Path(args.output).suffix == ".pt2" else "torchscript")
     try:
-        for out in (args.output, Path(f"{args.output}.json")):
-            check_output(args.checkpoint, out, args.overwrite)
+        checkpoint, output = local_path(args.checkpoint), local_path(args.output)
+        for out in (output, Path(f"{output}.json")):
+            check_output(checkpoint, out, args.overwrite)
         key = read_key_file(args.key_file) if args.key_file else None
-        result = export(
-            args.checkpoint, args.module, args.output, dtype=args.dtype, format=fmt, key=key
-        )
+        result = export(checkpoint, args.module, output, dtype=args.dtype, format=fmt, key=key)
     except USER_ERRORS as err:
         # CheckpointMismatchError is a ValueError; the message names what is wrong.
         user_error(parser, err)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import types
-from pathlib import Path
 from typing import IO, Any
 
 import lightning as L
@@ -13,6 +12,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torchmetrics.classification import BinaryAUROC
 
 from lightning_torchrec.checkpoint import load_unsharded
+from lightning_torchrec.checkpoint.paths import local_path
 from lightning_torchrec.compat.lightning import (
     PER_STEP_ATTRIBUTES,
     progress_bar_refreshes,
@@ -192,7 +192,8 @@ class TorchRecModule(L.LightningModule):
         ``LightningModule.load_from_checkpoint``.
 
         Args:
-            checkpoint_path: a sharded checkpoint directory, or what Lightning accepts.
+            checkpoint_path: a sharded checkpoint directory (a ``file://`` URL is its local
+                path), or what Lightning accepts.
             map_location: for a directory: a device to move the model to (default CPU).
             hparams_file: Lightning's argument; not supported for a directory.
             strict: raise when the checkpoint and the model do not hold the same tensors (a
@@ -206,7 +207,7 @@ class TorchRecModule(L.LightningModule):
         Raises:
             ValueError: if ``hparams_file`` is given with a checkpoint directory.
         """
-        if isinstance(checkpoint_path, str | os.PathLike) and Path(checkpoint_path).is_dir():
+        if isinstance(checkpoint_path, str | os.PathLike) and _is_local_dir(checkpoint_path):
             if hparams_file is not None:
                 raise ValueError(
                     "hparams_file is not supported for a sharded checkpoint directory; pass the "
@@ -365,3 +366,19 @@ class TorchRecModule(L.LightningModule):
         if isinstance(monitor, str):  # Lightning CLI's ReduceLROnPlateau: what it watches
             config["monitor"] = monitor
         return {"optimizer": optimizer, "lr_scheduler": config}
+
+
+def _is_local_dir(path: str | os.PathLike[str]) -> bool:
+    """Whether a checkpoint path names a directory of the local file system.
+
+    Args:
+        path: a path, or a URL (``file://...`` is its local path).
+
+    Returns:
+        True for a local directory; False otherwise, also for a URL of another file system
+        (``s3://...``), which Lightning's loader reads as one file.
+    """
+    try:
+        return local_path(path).is_dir()
+    except ValueError:
+        return False

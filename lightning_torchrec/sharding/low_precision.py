@@ -13,6 +13,8 @@ same: it is PyTorch's optimizers in fp16). What this module makes hold:
 * a plan that still puts one on the dense kernel (the user's constraints, plan or planner asked
   for it) gets one warning naming the tables: a dense optimizer without ``eps`` (SGD) trains
   them, an ``eps`` one does not.
+* a bf16 table on CPU is refused before planning, naming it: fbgemm's CPU kernels have no bf16
+  forward.
 """
 
 from __future__ import annotations
@@ -47,6 +49,26 @@ def low_precision_tables(model: nn.Module) -> dict[str, str]:
         for name, cfg in table_configs(model).items()
         if cfg.data_type in LOW_PRECISION
     }
+
+
+def check_low_precision_for_device(tables: dict[str, str], compute_device: str) -> None:
+    """Refuses bf16 tables on CPU, whose embedding kernels (fused and dense) have no bf16 forward.
+
+    Args:
+        tables: from :func:`low_precision_tables`.
+        compute_device: ``"cpu"`` or ``"cuda"``.
+
+    Raises:
+        ValueError: on CPU, naming the bf16 tables (fbgemm fails only at the first forward,
+            with ``"split_embedding_cpu_forward_1" not implemented for 'BFloat16'``).
+    """
+    bf16 = sorted(table for table, dtype in tables.items() if dtype == DataType.BF16.name)
+    if compute_device == "cpu" and bf16:
+        raise ValueError(
+            f"Table(s) {bf16} are stored in bf16 (data_type=DataType.BF16), which fbgemm's CPU "
+            "embedding kernels do not implement: their first forward would fail. On CPU store "
+            "them in DataType.FP16 or DataType.FP32."
+        )
 
 
 def low_precision_constraints(

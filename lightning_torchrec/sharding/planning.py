@@ -39,6 +39,7 @@ from lightning_torchrec.sharding.features import FeatureSpec, feature_specs
 from lightning_torchrec.sharding.key_order import keep_key_order
 from lightning_torchrec.sharding.layout import copy_into_shards
 from lightning_torchrec.sharding.low_precision import (
+    check_low_precision_for_device,
     dense_low_precision_warning,
     low_precision_constraints,
     low_precision_tables,
@@ -299,6 +300,7 @@ def shard_model(
     compute_device = "cuda" if device.type == "cuda" else "cpu"
     check_constraints_for_device(constraints, compute_device, model)
     check_constraints_match_model(constraints, model)
+    check_low_precision_for_device(low_precision_tables(model), compute_device)
     if plan is not None:
         check_plan_matches_model(plan, model)
     own = table_optimizers(model)  # apply_optimizer_in_backward's, over fused_params
