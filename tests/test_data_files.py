@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_torchrec.data import ParquetClickData, ResumableDataLoader
 from lightning_torchrec.data.criteo import CriteoIterableDataset, parse_tsv, preprocess
+from lightning_torchrec.data.criteo import main as criteo_main
 from lightning_torchrec.data.parquet import ParquetClickDataset
 
 ROWS = 400
@@ -213,3 +214,25 @@ def test_criteo_stages_without_a_batch_and_bad_batch_sizes_are_refused(tmp_path:
         CriteoIterableDataset("train", days, 0)
     with pytest.raises(ValueError, match="26 positive sizes"):
         CriteoIterableDataset("train", days, 4, num_embeddings_per_feature=[0] * 26)
+
+
+def test_a_failed_preprocess_leaves_no_day_behind_and_the_command_says_why_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A malformed day 1 left day_0 and a header-only day_1 (numpy's "mmap length is greater
+    than file size" when read) and the command printed a traceback."""
+    (tmp_path / "day_0").write_text("\n".join([criteo_line()] * 10) + "\n")
+    bad = [criteo_line()] * 4 + [criteo_line("zz")] + [criteo_line()] * 5
+    (tmp_path / "day_1").write_text("\n".join(bad) + "\n")
+    out = tmp_path / "npy"
+    with pytest.raises(ValueError, match="day_1, line 5: column cat_0 holds 'zz'"):
+        preprocess([tmp_path / "day_0", tmp_path / "day_1"], out)
+    assert sorted(p.name for p in out.iterdir()) == []
+    with pytest.raises(SystemExit) as exited:
+        criteo_main(["preprocess", str(tmp_path), str(out)], prog="criteo")
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("criteo: error: ValueError: ") and "zz" in err
+    assert list(out.iterdir()) == []
+    (tmp_path / "day_1").write_text("\n".join([criteo_line()] * 10) + "\n")
+    assert len(preprocess([tmp_path / "day_0", tmp_path / "day_1"], out)) == 2

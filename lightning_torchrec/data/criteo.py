@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -43,8 +44,6 @@ from lightning_torchrec.data.batch import Batch
 from lightning_torchrec.data.criteo_files import (
     MARKER,
     NPY_KINDS,
-    find_day_files,
-    find_tsv_files,
     parse_tsv,
     preprocess,
     table_sizes_array,
@@ -303,8 +302,54 @@ class CriteoDataModule(ResumableDataModule):
         )
 
 
+def find_day_files(path: str | Path) -> list[Path]:
+    """The TorchRec npy days in a directory, by day number.
+
+    Args:
+        path: a directory holding ``day_{i}_{dense,sparse,labels}.npy`` triples.
+
+    Returns:
+        The stems ``path/day_{i}``, ordered by ``i``.
+
+    Raises:
+        FileNotFoundError: if a day lacks one of its three files.
+    """
+    path = Path(path)
+    days = []
+    for dense in path.glob("*_dense.npy"):
+        stem = dense.name.removesuffix("_dense.npy")
+        for kind in NPY_KINDS:
+            if not (path / f"{stem}_{kind}.npy").exists():
+                raise FileNotFoundError(f"{path / f'{stem}_{kind}.npy'} is missing")
+        number = re.findall(r"\d+", stem)
+        days.append((int(number[-1]) if number else -1, stem))
+    return [path / stem for _, stem in sorted(days)]
+
+
+def find_tsv_files(path: str | Path) -> list[Path]:
+    """The Criteo TSV files of a directory: ``day_{i}`` (by day), ``*.tsv``, ``train.txt``.
+
+    Args:
+        path: the directory.
+
+    Returns:
+        The files, days first in day order.
+    """
+    path = Path(path)
+    days = sorted(
+        (p for p in path.iterdir() if p.is_file() and re.fullmatch(r"day_\d+(\.tsv)?", p.name)),
+        key=lambda p: int(re.findall(r"\d+", p.name)[0]),
+    )
+    others = sorted(p for p in path.glob("*.tsv") if p not in days)
+    kaggle = [path / "train.txt"] if (path / "train.txt").is_file() else []
+    return days + others + kaggle
+
+
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> None:
     """``python -m lightning_torchrec.criteo preprocess IN OUT_DIR [options]``.
+
+    A malformed or empty input exits with status 2 and the error on one line, leaving no day
+    of it in ``OUT_DIR``.
 
     Args:
         argv: the arguments (defaults to ``sys.argv[1:]``).
@@ -330,13 +375,17 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> None:
     if args.num_embeddings_per_feature is not None:
         parts = [int(x) for x in args.num_embeddings_per_feature.split(",")]
         sizes = parts[0] if len(parts) == 1 else parts
-    written = preprocess(
-        files,
-        args.out_dir,
-        sizes,
-        rows_per_file=args.rows_per_file,
-        block_size=args.block_size_mb << 20,
-    )
+    try:
+        written = preprocess(
+            files,
+            args.out_dir,
+            sizes,
+            rows_per_file=args.rows_per_file,
+            block_size=args.block_size_mb << 20,
+        )
+    except (ValueError, OSError) as err:  # the input's mistake: one line, no traceback
+        text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+        parser.exit(2, f"{parser.prog}: error: {type(err).__name__}: {text}\n")
     for stem in written:
         rows = BinaryCriteoUtils.get_shape_from_npy(f"{stem}_dense.npy")[0]
         print(f"{stem}_{{dense,sparse,labels}}.npy: {rows} rows")

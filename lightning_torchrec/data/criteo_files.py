@@ -273,10 +273,13 @@ class _NpyWriter:
             self.files[kind].write(np.ascontiguousarray(arr, dtype=self.dtypes[kind]).tobytes())
         self.remaining -= len(labels)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         for f in self.files.values():
             f.close()
-        if self.remaining:
+        if failed:  # a malformed input: no day of header-only files is left behind
+            for f in self.files.values():
+                Path(f.name).unlink(missing_ok=True)
+        elif self.remaining:
             raise ValueError(
                 f"{self.name}: {self.remaining} rows fewer than the input's lines (blank lines?)"
             )
@@ -307,7 +310,8 @@ def preprocess(
         The stems ``out_dir/day_{i}`` written.
 
     Raises:
-        ValueError: for bad table sizes, an empty input or a malformed file.
+        ValueError: for bad table sizes, an empty input or a malformed file (the days written
+            so far are removed: no half-written day is left).
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -331,70 +335,34 @@ def preprocess(
         day += 1
         return w
 
-    for path, count in zip(in_files, counts, strict=True):
-        if count == 0:
-            continue
-        if rows_per_file is None:
-            writer = next_writer()
-        for labels, dense, sparse in parse_tsv(path, block_size=block_size):
-            dense = np.log1p(np.maximum(dense, 0)).astype(np.float32)
-            if hashes is not None:
-                sparse = reduce_ids(sparse, hashes)
-            start = 0
-            while start < len(labels):
-                if writer is None or writer.remaining == 0:
-                    if writer is not None:
-                        writer.close()
-                    writer = next_writer()
-                stop = start + min(writer.remaining, len(labels) - start)
-                writer.write(dense[start:stop], sparse[start:stop], labels[start:stop, None])
-                start = stop
-        if rows_per_file is None and writer is not None:
+    try:
+        for path, count in zip(in_files, counts, strict=True):
+            if count == 0:
+                continue
+            if rows_per_file is None:
+                writer = next_writer()
+            for labels, dense, sparse in parse_tsv(path, block_size=block_size):
+                dense = np.log1p(np.maximum(dense, 0)).astype(np.float32)
+                sparse = sparse if hashes is None else reduce_ids(sparse, hashes)
+                start = 0
+                while start < len(labels):
+                    if writer is None or writer.remaining == 0:
+                        if writer is not None:
+                            writer.close()
+                        writer = next_writer()
+                    stop = start + min(writer.remaining, len(labels) - start)
+                    writer.write(dense[start:stop], sparse[start:stop], labels[start:stop, None])
+                    start = stop
+            if rows_per_file is None and writer is not None:
+                writer, done = None, writer
+                done.close()
+        if writer is not None:
             writer.close()
-            writer = None
-    if writer is not None:
-        writer.close()
+    except BaseException:  # the days this call wrote (complete or not) are removed
+        if writer is not None:
+            writer.close(failed=True)
+        for stem in written:
+            for kind in NPY_KINDS:
+                Path(f"{stem}_{kind}.npy").unlink(missing_ok=True)
+        raise
     return written
-
-
-def find_day_files(path: str | Path) -> list[Path]:
-    """The TorchRec npy days in a directory, by day number.
-
-    Args:
-        path: a directory holding ``day_{i}_{dense,sparse,labels}.npy`` triples.
-
-    Returns:
-        The stems ``path/day_{i}``, ordered by ``i``.
-
-    Raises:
-        FileNotFoundError: if a day lacks one of its three files.
-    """
-    path = Path(path)
-    days = []
-    for dense in path.glob("*_dense.npy"):
-        stem = dense.name.removesuffix("_dense.npy")
-        for kind in NPY_KINDS:
-            if not (path / f"{stem}_{kind}.npy").exists():
-                raise FileNotFoundError(f"{path / f'{stem}_{kind}.npy'} is missing")
-        number = re.findall(r"\d+", stem)
-        days.append((int(number[-1]) if number else -1, stem))
-    return [path / stem for _, stem in sorted(days)]
-
-
-def find_tsv_files(path: str | Path) -> list[Path]:
-    """The Criteo TSV files of a directory: ``day_{i}`` (by day), ``*.tsv``, ``train.txt``.
-
-    Args:
-        path: the directory.
-
-    Returns:
-        The files, days first in day order.
-    """
-    path = Path(path)
-    days = sorted(
-        (p for p in path.iterdir() if p.is_file() and re.fullmatch(r"day_\d+(\.tsv)?", p.name)),
-        key=lambda p: int(re.findall(r"\d+", p.name)[0]),
-    )
-    others = sorted(p for p in path.glob("*.tsv") if p not in days)
-    kaggle = [path / "train.txt"] if (path / "train.txt").is_file() else []
-    return days + others + kaggle
