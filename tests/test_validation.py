@@ -68,6 +68,26 @@ def test_negative_float_and_mismatched_ids() -> None:
     assert "negative length" in check(batch(lengths=torch.tensor([2, -1, 2, 1])))
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_every_id_is_judged_against_its_own_table_in_both_id_dtypes(dtype: torch.dtype) -> None:
+    # One pass per run of same-size tables reads ids as unsigned: a negative id must still fail,
+    # in either run, in either dtype, and the extremes of each range must pass.
+    validate_batch(batch(values=torch.tensor([0, 9, 0, 19], dtype=dtype)), SPECS, 3)
+    for values, culprit in (([-1, 2, 3, 4], "id -1"), ([1, 2, 3, -(2**31)], f"id {-(2**31)}")):
+        assert culprit in check(batch(values=torch.tensor(values, dtype=dtype)))
+    assert "id 10" in check(batch(values=torch.tensor([1, 10, 3, 4], dtype=dtype)))
+    # ids that are a strided view (every other element) are read as they are
+    strided = torch.tensor([1, 99, 2, 99, 3, 99, -4, 99], dtype=dtype)[::2]
+    assert "id -4" in check(batch(values=strided))
+    # an int32 id read as unsigned is >= 2**31 exactly when negative: a table larger than that
+    # still refuses it, and takes every non-negative int32 id
+    huge = {k: FeatureSpec(k, s.table, 2**32, False) for k, s in SPECS.items()}
+    big = torch.tensor([0, 2**31 - 1, 5, 6], dtype=dtype)
+    validate_batch(batch(values=big), huge, 3)
+    with pytest.raises(BatchValidationError, match="id -7"):
+        validate_batch(batch(values=torch.tensor([0, 1, -7, 6], dtype=dtype)), huge, 3)
+
+
 def test_lengths_per_feature_keys_dtypes_and_weights_each_give_a_named_error() -> None:
     from lightning_torchrec.training.batch_checks import check_batch
 

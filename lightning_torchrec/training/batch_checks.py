@@ -16,11 +16,12 @@ Why: on CPU, TorchRec 1.8 and fbgemm train straight through most bad inputs.
 :func:`validate_batch` checks one batch against the tables of the *unsharded* model
 (:func:`~lightning_torchrec.sharding.features.feature_specs`, built before sharding; a feature
 several collections read is checked against the collection its KJT's keys name) with a handful
-of vectorised tensor operations (no Python loop over samples or ids): one min/max pass over the
-ids of each run of features whose tables have the same row count (``O(num_ids)``), one sum over
-the dense features (read in full only when it is not finite) and a few shape checks. Measured on
-one CPU core, tables of one size: 0.1 ms for 4 features x 256 samples (4k ids), 0.26 ms for 26
-features x 4096 samples (426k ids). :class:`~lightning_torchrec.TorchRecStrategy` runs it before
+of vectorised tensor operations (no Python loop over samples or ids): one max over the ids of
+each run of features whose tables have the same row count, read as unsigned integers so that a
+negative id counts as too large (``O(num_ids)``), one sum over the dense features (read in full
+only when it is not finite) and a few shape checks. Measured on one CPU core, tables of one size:
+64 us for the benchmark batch (8 features x 1024 samples, 163k ids; 90-100 us with a min/max
+pass). :class:`~lightning_torchrec.TorchRecStrategy` runs it before
 every training/validation forward (``validate_batches=True``; an integer ``N`` checks the first
 ``N`` steps only, ``False`` never) and makes the outcome collective with
 :func:`lightning_torchrec.distributed.agree` (one tiny ``all_reduce`` per checked step, shared with
@@ -36,6 +37,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -138,15 +140,12 @@ def _check_kjt(kjt: Any, specs: Mapping[str, FeatureSpec]) -> None:
     if not keys or values.numel() == 0:
         return
     counts = kjt.length_per_key()
-    # Fast path: the min and max of each run of keys whose tables have the same row count (one
-    # run when all do; views, no copy), one sync for the verdict.
-    runs = _runs(counts, [specs[k].num_embeddings for k in keys])
-    extremes = torch.stack([torch.stack(torch.aminmax(values[a:b])) for a, b, _ in runs])
-    pairs = zip(extremes.tolist(), runs, strict=True)
-    if all(lo >= 0 and hi < rows for (lo, hi), (*_, rows) in pairs):
+    # Fast path: one pass over each run of keys whose tables have the same row count (one run
+    # when all do; views, no copy), one sync for the verdict.
+    if _all_in_range(values, _runs(counts, [specs[k].num_embeddings for k in keys])):
         return
     per_key = torch.tensor(counts, dtype=torch.int64)
-    rows = torch.tensor([specs[k].num_embeddings for k in keys], dtype=values.dtype)
+    rows = torch.tensor([specs[k].num_embeddings for k in keys], dtype=torch.int64)
     bad = (values < 0) | (values >= torch.repeat_interleave(rows, per_key).to(values.device))
     pos = int(torch.nonzero(bad)[0])
     raise BatchValidationError(
@@ -203,6 +202,23 @@ def _check_max_ids(kjt: Any, specs: Mapping[str, FeatureSpec]) -> None:
             "over it. Truncate them in the dataset (e.g. keep a history's last items), or "
             "build the model with a larger limit."
         )
+
+
+def _all_in_range(values: torch.Tensor, runs: list[tuple[int, int, int]]) -> bool:
+    """Whether every id of each ``(start, end, rows)`` run lies in ``[0, rows)``.
+
+    On the host the ids are read as unsigned integers, where a negative id is one of ``2**63``
+    (``2**31`` for int32 ids) or more, so one max per run decides both bounds: one vectorised
+    pass instead of a min and a max (``torch.aminmax`` of 163k int64 ids takes 2.2x as long).
+    """
+    if values.device.type == "cpu":
+        unsigned = values.numpy().view(np.uint64 if values.dtype == torch.int64 else np.uint32)
+        # Any int32 id read as unsigned below 2**31 is a valid row of a table that large.
+        ceiling = 2**63 if values.dtype == torch.int64 else 2**31
+        return all(int(unsigned[a:b].max()) < min(rows, ceiling) for a, b, rows in runs)
+    extremes = torch.stack([torch.stack(torch.aminmax(values[a:b])) for a, b, _ in runs])
+    pairs = zip(extremes.tolist(), runs, strict=True)
+    return all(lo >= 0 and hi < rows for (lo, hi), (*_, rows) in pairs)
 
 
 def _runs(per_key: list[int], rows: list[int]) -> list[tuple[int, int, int]]:
