@@ -9,7 +9,16 @@ job's store (:func:`post`; the store the ranks rendezvoused in, served by rank 0
 agent), and a rank whose collective failed reads it (:func:`explain`): it raises an error of the
 failing rank's type (when that type is importable here and takes a message) that is also a
 ``PeerFailureError``, saying which rank failed, where, and with what. A rank that died without
-writing (killed, out of memory) still gives a plain ``PeerFailureError``. A rank whose
+writing (killed, out of memory) still gives a plain ``PeerFailureError``.
+
+Rank 0 is a special case where it serves the store itself (Lightning's and Fabric's own
+launchers; under torchrun the agent serves it): its store dies with it, before the others can
+read what it wrote, and gloo has no way to close rank 0's connections earlier (aborting or
+shutting down its group leaves them open). So rank 0 also copies its reports to a file on its
+host (:func:`local_copy`, named by ``MASTER_ADDR`` and ``MASTER_PORT``, in a folder only its
+user can write), and a rank that cannot reach the store reads that file instead, when it was
+written after its own process started. Ranks on the same host, as under those launchers, so
+learn rank 0's error too; ranks on other hosts still see a plain ``PeerFailureError``. A rank whose
 ``trainer.should_stop`` ended its training writes that too (:func:`post_stop`): the others, still
 training, then name it.
 
@@ -23,8 +32,13 @@ store that cannot be reached leaves the error as it was.
 from __future__ import annotations
 
 import json
+import os
+import re
 import sys
+import tempfile
+import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -39,6 +53,8 @@ MEETINGS_KEY, MEETING_KEY = (
     "lightning_torchrec/meetings/{run}/{rank}",
     "lightning_torchrec/meeting/{run}/{index}/{rank}",
 )
+#: When this process loaded the module: a local copy written before it is another job's.
+_LOADED = time.time()
 #: What a report keeps of a long message: its head and its tail (a worker's error ends with it).
 HEAD_CHARS, TAIL_CHARS = 300, 700
 
@@ -64,6 +80,10 @@ def begin_run(rank: int | None = None, store: Any = None) -> None:
     store = store if store is not None else default_store()
     if store is None:
         return
+    if _rank(rank) == 0:  # a new run: the last run's reports explain none of its failures
+        path = local_copy()
+        if path is not None:
+            path.unlink(missing_ok=True)
     try:
         _run_key(store, rank, 1)
     except Exception:  # noqa: BLE001 - best effort: a store that cannot be reached
@@ -126,11 +146,66 @@ def post_stop(where: str, rank: int | None = None, store: Any = None) -> None:
 
 
 def _append(store: Any, rank: int | None, report: dict[str, Any]) -> bool:
+    if _rank(rank) == 0:  # its store may die with it: see the module
+        _copy_locally(report)
     try:
         store.append(_run_key(store, rank, 0), json.dumps(report) + "\n")
     except Exception:  # noqa: BLE001 - best effort: the peers then say "probably died"
         return False
     return True
+
+
+def local_copy() -> Path | None:
+    """Where rank 0 copies its reports on its host, or None without ``MASTER_PORT``.
+
+    The file is named by the store's address (``MASTER_ADDR``, ``MASTER_PORT``), which every
+    rank of a job started by Lightning's, Fabric's or torch's launchers knows without the store,
+    in a folder of the temporary directory named by the user.
+
+    Returns:
+        The file's path (it exists only after rank 0 reported).
+    """
+    port = os.environ.get("MASTER_PORT")
+    if not port:
+        return None
+    user = os.getuid() if hasattr(os, "getuid") else 0
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{os.environ.get('MASTER_ADDR', '')}-{port}")
+    return Path(tempfile.gettempdir()) / f"lightning_torchrec-{user}" / f"failures-{name}.jsonl"
+
+
+def _copy_locally(report: dict[str, Any]) -> None:
+    path = local_copy()
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        if not _private(path.parent):
+            return
+        lines = path.read_text("utf-8") if path.exists() else ""
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        partial.write_text(lines + json.dumps(report) + "\n", "utf-8")
+        os.replace(partial, path)  # a peer reads the old copy or the new one, never half
+    except OSError:  # best effort: the peers then say "probably died"
+        pass
+
+
+def _private(folder: Path) -> bool:
+    """Whether only this user can write ``folder`` (a copy elsewhere could be anyone's)."""
+    if not hasattr(os, "getuid"):
+        return folder.is_dir()
+    info = folder.lstat()
+    return folder.is_dir() and info.st_uid == os.getuid() and not info.st_mode & 0o022
+
+
+def _read_local_copy() -> list[str]:
+    """The lines of rank 0's local copy, when it was written after this process started."""
+    path = local_copy()
+    try:
+        if path is None or not _private(path.parent) or path.stat().st_mtime < _LOADED:
+            return []
+        return path.read_text("utf-8", "replace").splitlines()
+    except OSError:
+        return []
 
 
 def read(rank: int | None = None, store: Any = None) -> list[dict[str, Any]]:
@@ -152,8 +227,8 @@ def read(rank: int | None = None, store: Any = None) -> list[dict[str, Any]]:
         if not store.check([key]):
             return []
         lines = bytes(store.get(key)).decode("utf-8", "replace").splitlines()
-    except Exception:  # noqa: BLE001 - best effort: the rank holding the store died too
-        return []
+    except Exception:  # noqa: BLE001 - the rank holding the store died: its copy, if here
+        lines = _read_local_copy()
     reports = []
     for line in lines:
         try:

@@ -166,3 +166,51 @@ def test_the_strategy_reports_its_own_errors_never_a_dead_peers_bare_one(
     bug = UserBug("mine")
     strategy.on_exception(bug)
     assert posted[1] is bug
+
+
+def test_rank_zeros_report_is_read_from_its_hosts_copy_once_its_store_is_gone(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+    import time
+
+    from lightning_torchrec import failure_reports
+
+    # Lightning's and Fabric's launchers: rank 0 serves the store, which dies with it.
+    monkeypatch.setattr(failure_reports.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29517")
+    store = dist.HashStore()
+    begin_run(0, store=store)
+    post(UserBug("rank 0's loader read a bad row"), "global step 3 (train)", 0, store=store)
+    # Once its store is gone, rank 1 reads the copy.
+    error = explain(SEEN, rank=1, store=DeadStore())
+    assert isinstance(error, UserBug) and isinstance(error, PeerFailureError)
+    assert "rank 0 raised UserBug at global step 3 (train): rank 0's loader" in str(error)
+    # Rank 0's next run starts from no report.
+    begin_run(0, store=store)
+    assert explain(SEEN, rank=1, store=DeadStore()) is SEEN
+    # Another rank's report is in the store only; a live store is read, not the copy.
+    post(UserBug("rank 2's own"), "global step 1 (train)", 2, store=store)
+    path = failure_reports.local_copy()
+    assert path is not None and not path.exists()
+    post(UserBug("rank 0's own"), "global step 1 (train)", 0, store=store)
+    assert "rank 2's own" in str(explain(SEEN, rank=1, store=store))
+    assert "rank 2's own" not in str(explain(SEEN, rank=1, store=DeadStore()))
+    # A copy written before this process started is another job's: ignored.
+    old = time.time() - 3600
+    os.utime(path, (old, old))
+    monkeypatch.setattr(failure_reports, "_LOADED", old + 1)
+    assert explain(SEEN, rank=1, store=DeadStore()) is SEEN
+    os.utime(path, None)
+    assert "rank 0's own" in str(explain(SEEN, rank=1, store=DeadStore()))
+    # A folder others can write to could hold anyone's file: ignored, and not written to.
+    path.parent.chmod(0o777)
+    assert explain(SEEN, rank=1, store=DeadStore()) is SEEN
+    path.unlink()
+    post(UserBug("again"), "global step 2 (train)", 0, store=store)
+    assert not path.exists()
+    # Another job (another port) finds no copy.
+    path.parent.chmod(0o700)
+    monkeypatch.setenv("MASTER_PORT", "29518")
+    assert explain(SEEN, rank=1, store=DeadStore()) is SEEN

@@ -151,6 +151,21 @@ def test_a_users_error_on_one_rank_is_raised_by_type_on_the_other(
     assert "[rank 0] Boom: stopped because another rank failed" in proc.stderr
 
 
+def test_rank_zeros_own_error_reaches_the_others_though_its_store_dies_with_it(
+    tmp_path: Path,
+) -> None:
+    # Lightning's launcher: rank 0 serves the store and its report died with it; rank 1 could
+    # only say "another rank probably died".
+    proc = _launch(tmp_path, "raise_zero")
+    assert proc.returncode != 0
+    failed = torch.load(tmp_path / "raise_zero_rank0.pt", weights_only=False)
+    assert failed["error"] == "Boom" and not failed["peer_failure"]
+    peer = torch.load(tmp_path / "raise_zero_rank1.pt", weights_only=False)
+    assert peer["error"] == "Boom" and peer["boom"] and peer["peer_failure"], peer
+    told = "stopped because another rank failed: rank 0 raised Boom at global step 3 (train)"
+    assert told in peer["message"] and "rank 0 fails at step 3" in peer["message"]
+
+
 def test_a_rank_stopping_alone_is_named_by_the_others(tmp_path: Path) -> None:
     # Not agreed (see docs/troubleshooting.md), but no longer "another rank probably died".
     proc = _launch(tmp_path, "stop_one")

@@ -10,6 +10,7 @@
 * ``kill``: rank 1 SIGKILLs itself at step 3; rank 0 must exit non-zero within the timeout.
 * ``raise_one``: rank 1's ``training_step`` raises at step 3; rank 0 must raise an error of the
   same type naming it. ``raise_setup``: the same from a callback's ``setup`` on rank 1.
+  ``raise_zero``: rank 0, which serves the store, raises at step 3; rank 1 must name it.
 * ``stop_one``: ``trainer.should_stop`` set on rank 1 alone: rank 0 must name it.
 * ``interrupt_apart``: Ctrl-C reaches the ranks at different points of step 3 (rank 0 right
   after its forward, rank 1 after it also started the next step's vote), with an
@@ -259,6 +260,8 @@ def main() -> None:
         run("raise_one", "raise", at=3)
     elif MODE == "stop_one":  # trainer.should_stop set on rank 1 alone after step 3
         run("stop_one", "", at=-1, extra=[StopAlone()])
+    elif MODE == "raise_zero":  # a user's bug on rank 0 alone (it serves the store)
+        run("raise_zero", "", at=-1, extra=[RaiseAt("on_train_batch_start", 3, (0,))])
     elif MODE == "raise_setup":  # rank 0 waits in Lightning's barrier after the setup hooks
         run("raise_setup", "", at=-1, extra=[RaiseAt("setup", 0, (1,))])
     elif MODE == "onexc_one":  # only rank 1 fails; the others wait for it inside step 3
