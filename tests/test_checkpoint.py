@@ -13,7 +13,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torchrec import EmbeddingBagConfig
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
 from lightning_torchrec import (
     DLRMClickModule,
@@ -526,3 +526,65 @@ def test_command_outputs_get_the_mode_of_any_new_file(tmp_path: Path) -> None:
         os.umask(umask)
     assert (tmp_path / "model.pt2").stat().st_mode & 0o777 == 0o640
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt2"]
+
+
+class BuiltInConfigureModel(L.LightningModule):
+    """A user's model that builds its tables and layers in ``configure_model``, as Lightning
+    recommends for large models (nothing but hyper-parameters in ``__init__``)."""
+
+    def __init__(self, rows: int = ROWS) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.built = 0
+
+    def configure_model(self) -> None:
+        if hasattr(self, "ebc"):  # Lightning asks the hook to be idempotent
+            return
+        self.built += 1
+        tables = [
+            EmbeddingBagConfig(
+                name=f"t_cat_{i}",
+                embedding_dim=4,
+                num_embeddings=self.hparams["rows"],
+                feature_names=[f"cat_{i}"],
+            )
+            for i in range(2)
+        ]
+        self.ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+        self.head = torch.nn.Linear(8 + 3, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        pooled = self.ebc(batch.sparse_features).values()
+        logit = self.head(torch.cat([pooled, batch.dense_features], 1)).squeeze(1)
+        return torch.nn.functional.binary_cross_entropy_with_logits(logit, batch.labels)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.head.parameters(), lr=0.1)
+
+
+def test_a_model_built_in_configure_model_loads_by_class_and_resumes(tmp_path: Path) -> None:
+    # load_unsharded built the class without running configure_model: an empty model, and the
+    # load failed with every tensor of the checkpoint "unexpected".
+    model = BuiltInConfigureModel()
+    fit = trainer(tmp_path)
+    fit.fit(
+        model, datamodule=tiny_data(ROWS, 2, batch_size=16, train_batches=6, num_dense_features=3)
+    )
+    fit.save_checkpoint(tmp_path / "late.ckpt")
+    trained = plain_state(model)
+    loaded = load_unsharded(tmp_path / "late.ckpt", BuiltInConfigureModel)
+    assert loaded.built == 1 and sorted(loaded.state_dict()) == sorted(trained)
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, trained[name]), name
+    again = BuiltInConfigureModel()  # an instance is configured before it is filled too
+    assert load_unsharded(tmp_path / "late.ckpt", again) is again and again.built == 1
+    assert torch.equal(again.head.weight, trained["head.weight"])
+    # a fit resumes from it
+    resumed = BuiltInConfigureModel()
+    more = trainer(tmp_path, max_steps=4)
+    more.fit(
+        resumed,
+        datamodule=tiny_data(ROWS, 2, batch_size=16, train_batches=6, num_dense_features=3),
+        ckpt_path=tmp_path / "late.ckpt",
+    )
+    assert more.global_step == 4 and resumed.built == 1

@@ -287,7 +287,8 @@ def load_unsharded(
     Args:
         checkpoint: a sharded checkpoint directory (a ``file://`` URL is its local path).
         module: a module to fill in place, or a module class (e.g. a LightningModule) to build
-            from the checkpoint's saved ``hyper_parameters`` (updated with ``init_args``).
+            from the checkpoint's saved ``hyper_parameters`` (updated with ``init_args``). Its
+            ``configure_model`` hook, where it has one, runs first, as under Lightning.
         strict: raise when the checkpoint lacks a tensor of the model or has one it lacks (False:
             both are left alone and listed in a warning; a shape mismatch is always refused).
             None: the module's ``strict_loading`` (a LightningModule's) decides, else True.
@@ -326,15 +327,17 @@ def load_unsharded(
         # width cannot make the real build allocate without bound.
         try:
             with torch.device("meta"):
-                probe = module(**args)
+                probe = _configured(module(**args))
         except Exception:  # noqa: BLE001 - a constructor that cannot run on meta: build it
             probe = None
         if probe is not None:
             check_fits(probe.state_dict(), shapes, _strict(strict, probe))
             del probe
-        module = module(**args)
+        module = _configured(module(**args))
     elif init_args:
         raise TypeError(f"constructor arguments {sorted(init_args)} need a class, not a module")
+    else:
+        module = _configured(module)
     strict = _strict(strict, module)
     if on_build is not None:
         on_build(module, meta)
@@ -344,6 +347,18 @@ def load_unsharded(
     tensors = iter_plain_tensors(checkpoint, verify=False, key=key, limits=limits)
     fill_plain(module, shapes, tensors, strict)
     report(checkpoint, missing, unexpected, 0)
+    return module
+
+
+def _configured(module: Any) -> Any:
+    """``module`` after its ``configure_model`` hook, as Lightning runs it before a fit or a load.
+
+    A LightningModule may build its layers (its tables) there rather than in ``__init__``;
+    Lightning asks the hook to do nothing when they exist already.
+    """
+    hook = getattr(module, "configure_model", None)
+    if callable(hook):
+        hook()
     return module
 
 
