@@ -146,7 +146,8 @@ def post_stop(where: str, rank: int | None = None, store: Any = None) -> None:
 
 
 def _append(store: Any, rank: int | None, report: dict[str, Any]) -> bool:
-    if _rank(rank) == 0:  # its store may die with it: see the module
+    alone = dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1
+    if _rank(rank) == 0 and not alone:  # its store may die with it: see the module
         _copy_locally(report)
     try:
         store.append(_run_key(store, rank, 0), json.dumps(report) + "\n")
