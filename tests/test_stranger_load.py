@@ -524,3 +524,38 @@ def test_a_mismatch_with_many_long_names_is_reported_briefly(tmp_path: Path) -> 
     assert len(message) < 12_000, len(message)
     assert "not in the target (500 entries; tables ['t0'" in message
     assert "... 480 more" in message and "missing from the checkpoint (1 entries" in message
+
+
+class _ReaderBefore212:
+    """torch 2.11's ``PyTorchFileReader``: no ``get_record_size``."""
+
+    def __init__(self, reader: Any) -> None:
+        self._reader = reader
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "get_record_size":
+            raise AttributeError(name)
+        return getattr(self._reader, name)
+
+
+def test_entry_sizes_without_torchs_size_reader_are_those_torch_reads() -> None:
+    # torch 2.11 (the oldest stack) has no get_record_size: every checkpoint load failed there.
+    import io
+
+    from lightning_torchrec.compat.torch_zip import TorchZip
+
+    def opened(data: bytes) -> tuple[TorchZip, TorchZip]:
+        new, old = TorchZip(io.BytesIO(data)), TorchZip(io.BytesIO(data))
+        old._reader = _ReaderBefore212(old._reader)
+        return new, old
+
+    new, old = opened(hostile.torch_bytes({"w": torch.arange(100), "name": "x" * 50}))
+    assert old.names() == new.names() and len(new.names()) > 2
+    assert [old.size(n) for n in old.names()] == [new.size(n) for n in new.names()]
+    with pytest.raises(RuntimeError, match="not in the central directory"):
+        old.size("no_such_entry")
+    # Two archives in one file: zipfile would read the other one's sizes; refused as unreadable.
+    real = hostile.torch_bytes({"x": 1})
+    _, old = opened(hostile.two_faced(hostile.torch_bytes({"x": _Bytearray()}), real))
+    with pytest.raises(RuntimeError, match="bytes before the zip archive"):
+        old.size("data.pkl")

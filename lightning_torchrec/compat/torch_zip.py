@@ -9,10 +9,17 @@ a zip entry (:data:`ZIP_MAGIC`) as a legacy pickle, which ``zipfile`` finds the 
 to. A check of a stranger's file must therefore read what torch will read: :class:`TorchZip` is
 that reading. ``PyTorchFileReader`` is what ``torch.serialization`` and
 ``torch.export.pt2_archive`` open (torch 1.x through 2.14); it has no public equivalent.
+
+Its ``get_record_size`` (an entry's size in the central directory miniz reads) came after torch
+2.11. Without it the sizes are read with ``zipfile``, and only from an archive both readers
+place at the same offset: with no bytes before it, ``zipfile`` reads the central directory where
+the end record says, as miniz does; a file with bytes before its archive is refused as
+unreadable.
 """
 
 from __future__ import annotations
 
+import zipfile
 from typing import IO
 
 import torch
@@ -31,7 +38,9 @@ class TorchZip:
 
     def __init__(self, source: IO[bytes]) -> None:
         source.seek(0)
+        self._source = source
         self._reader = torch._C.PyTorchFileReader(source)
+        self._sizes: dict[str, int] | None = None
 
     def names(self) -> list[str]:
         """Every entry's name below the archive's one root folder, in the central directory.
@@ -50,7 +59,13 @@ class TorchZip:
         Returns:
             Bytes.
         """
-        return int(self._reader.get_record_size(name))
+        if hasattr(self._reader, "get_record_size"):
+            return int(self._reader.get_record_size(name))
+        if self._sizes is None:
+            self._sizes = _central_sizes(self._source)
+        if name not in self._sizes:
+            raise RuntimeError(f"zip entry {name!r} is not in the central directory")
+        return self._sizes[name]
 
     def read(self, name: str) -> bytes:
         """An entry's bytes, as torch reads them.
@@ -62,3 +77,26 @@ class TorchZip:
             The bytes.
         """
         return bytes(self._reader.get_record(name))
+
+
+def _central_sizes(source: IO[bytes]) -> dict[str, int]:
+    """Each entry's size below the root, from the central directory the end record places.
+
+    ``zipfile`` shifts every offset past bytes before the archive; miniz does not. Such a file
+    is refused, so the sizes read here are those of the archive torch reads. A name stored
+    twice gets its larger size (torch's reader may read either).
+    """
+    source.seek(0)
+    end = zipfile._EndRecData(source)  # type: ignore[attr-defined]
+    if end is None:
+        raise RuntimeError("no zip end record")
+    with zipfile.ZipFile(source) as archive:
+        if archive.start_dir != end[zipfile._ECD_OFFSET]:  # type: ignore[attr-defined]
+            raise RuntimeError(
+                "bytes before the zip archive: torch's reader and zipfile read it differently"
+            )
+        sizes: dict[str, int] = {}
+        for info in archive.infolist():
+            name = info.filename.split("/", 1)[-1]
+            sizes[name] = max(sizes.get(name, 0), info.file_size)
+    return sizes
