@@ -5,7 +5,7 @@
 #   scripts/gpu_run.sh [checks|bench|all|setup]      (default: all)
 #
 # Needs the fbgemm-gpu wheel split in parts named fb.part.* (cat in name order rebuilds it), in
-# .gpu/ or $PARTS (default /tmp/parts, where shared/GPU.md's route copies each part: a carried
+# .gpu/ or $PARTS (default: the system temp folder's parts/, where shared/GPU.md's route copies each part: a carried
 # path does not stay in the checkout after its call; a part found in both is taken once), and
 # .gpu/small/*.whl (torchrec, torchmetrics, iopath, tensordict, pyvers); installs them into
 # $SITE (the system temp folder's site/, once per machine) and runs with PYTHONPATH=$SITE:$PWD. Modules that torchrec or
@@ -52,6 +52,7 @@ TMPROOT="$(dirname "$(mktemp -u)")" # the system temp folder; kept while the mac
 SITE="$TMPROOT/site"
 STUBS="$TMPROOT/site_stubs"
 WHEELS="$TMPROOT/wheels"
+PARTS="${PARTS:-$TMPROOT/parts}" # where the route in shared/GPU.md copies the wheel's parts
 DEADLINE="${DEADLINE:-540}"
 BENCH_MIN="${BENCH_MIN:-200}"
 BENCH_DEFAULT="--devices 1 --sizes benchmark,demo --batch-size 16384,2048 --steps 100 --warmup 20 --rounds 2"
@@ -80,11 +81,11 @@ install_wheels() {
     [[ -n "${seen[${part##*/}]:-}" ]] && continue
     seen[${part##*/}]=1
     parts+=("$part")
-  done < <(for part in .gpu/fb.part.* "${PARTS:-/tmp/parts}"/fb.part.*; do
+  done < <(for part in .gpu/fb.part.* "$PARTS"/fb.part.*; do
     [[ -f "$part" ]] && printf '%s\t%s\n' "${part##*/}" "$part"
   done | sort -t $'\t' -k1,1 -s | cut -f2)
   if ((${#parts[@]} == 0)); then
-    say "ERROR: no fb.part.* in .gpu/ ($ROOT) nor in ${PARTS:-/tmp/parts}"
+    say "ERROR: no fb.part.* in .gpu/ ($ROOT) nor in $PARTS"
     return 1
   fi
   rm -rf "$SITE" # a half-finished earlier install: pip --target would skip what exists
