@@ -275,14 +275,20 @@ TAMPERS = {
 }
 
 
-@pytest.mark.parametrize("tamper", list(TAMPERS), ids=list(TAMPERS))
-def test_tampered_pt2_is_refused_before_anything_runs(
-    artifact: Path, tmp_path: Path, tamper: str
-) -> None:
+def _tampered(artifact: Path, tmp_path: Path, tamper: str) -> tuple[Path, str, Path]:
+    """The artifact with ``TAMPERS[tamper]`` applied, the entry it touches, and its marker."""
     marker = tmp_path / "PAYLOAD_RAN"
     edit, add, entry = TAMPERS[tamper](marker)
     bad = tmp_path / "tampered.pt2"
     _rewrite(artifact, bad, edit, add)
+    return bad, entry, marker
+
+
+@pytest.mark.parametrize("tamper", list(TAMPERS), ids=list(TAMPERS))
+def test_tampered_pt2_is_refused_before_anything_runs(
+    artifact: Path, tmp_path: Path, tamper: str
+) -> None:
+    bad, entry, marker = _tampered(artifact, tmp_path, tamper)
     with pytest.raises(UnsafeCheckpointError) as refused:
         load_artifact(bad)
     assert str(bad) in str(refused.value)
@@ -308,10 +314,7 @@ def test_an_archive_only_torch_reads_is_checked_too(
     artifact: Path, tmp_path: Path, tamper: str
 ) -> None:
     """One file, two archives: zipfile reads the clean artifact, torch's reader the tampered."""
-    marker = tmp_path / "PAYLOAD_RAN"
-    edit, add, entry = TAMPERS[tamper](marker)
-    tampered = tmp_path / "tampered.pt2"
-    _rewrite(artifact, tampered, edit, add)
+    tampered, entry, marker = _tampered(artifact, tmp_path, tamper)
     bad = tmp_path / "two_faced.pt2"
     bad.write_bytes(two_faced(tampered.read_bytes(), artifact.read_bytes()))
     with zipfile.ZipFile(bad) as seen:  # what a zipfile-only check saw: the clean artifact
