@@ -81,9 +81,7 @@ def begin_run(rank: int | None = None, store: Any = None) -> None:
     if store is None:
         return
     if _rank(rank) == 0:  # a new run: the last run's reports explain none of its failures
-        path = local_copy()
-        if path is not None:
-            path.unlink(missing_ok=True)
+        _clear_local_copy()
     try:
         _run_key(store, rank, 1)
     except Exception:  # noqa: BLE001 - best effort: a store that cannot be reached
@@ -196,6 +194,15 @@ def _private(folder: Path) -> bool:
         return folder.is_dir()
     info = folder.lstat()
     return folder.is_dir() and info.st_uid == os.getuid() and not info.st_mode & 0o022
+
+
+def _clear_local_copy() -> None:
+    path = local_copy()
+    try:
+        if path is not None and _private(path.parent):
+            path.unlink(missing_ok=True)
+    except OSError:  # best effort, as the copy itself: a folder that is not ours is left alone
+        pass
 
 
 def _read_local_copy() -> list[str]:

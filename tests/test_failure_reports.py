@@ -214,3 +214,21 @@ def test_rank_zeros_report_is_read_from_its_hosts_copy_once_its_store_is_gone(
     path.parent.chmod(0o700)
     monkeypatch.setenv("MASTER_PORT", "29518")
     assert explain(SEEN, rank=1, store=DeadStore()) is SEEN
+
+
+def test_a_copy_that_cannot_be_removed_or_written_stops_no_run(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning_torchrec import failure_reports
+
+    monkeypatch.setattr(failure_reports.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setenv("MASTER_PORT", "29519")
+    path = failure_reports.local_copy()
+    assert path is not None
+    path.mkdir(parents=True)  # something in the copy's place that unlink cannot remove
+    path.parent.chmod(0o700)
+    store = dist.HashStore()
+    begin_run(0, store=store)  # raised IsADirectoryError from the copy's removal
+    post(UserBug("rank 0's own"), "global step 1 (train)", 0, store=store)
+    assert "rank 0's own" in str(explain(SEEN, rank=0, store=store))  # the store still has it
+    assert path.is_dir()
