@@ -179,7 +179,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         print(f"step_instructions: {variant}: {sum(per_step) / len(per_step) / 1e6:.2f}M per step")
         write_result(f"step_instructions_{args.size}", result, args.out)
     variants = result["variants"]
-    best = min((v for v in variants if v.startswith("raw_")), key=lambda v: variants[v]["per_step"])
+    raws = [v for v in variants if v.startswith("raw_")]
+    if not raws:  # trainer variants alone: no ratio to give
+        return result
+    best = min(raws, key=lambda v: variants[v]["per_step"])
     for v in variants.values():
         v["ratio_to_best_raw"] = v["per_step"] / variants[best]["per_step"]
     result["best_raw"] = best

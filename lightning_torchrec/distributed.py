@@ -215,8 +215,10 @@ def _launch_votes(
         return lambda: [[0] if f else [] for f in flags]
     world, rank = dist.get_world_size(), dist.get_rank()
     device = _vote_place(group, device)
-    votes = torch.zeros(len(flags), world, dtype=torch.int32, device=device)
-    votes[:, rank] = torch.tensor([int(f) for f in flags], dtype=torch.int32)
+    cells = [0] * (len(flags) * world)  # built on the host: one tensor, no indexed write
+    for i, flag in enumerate(flags):
+        cells[i * world + rank] = int(flag)
+    votes = torch.tensor(cells, dtype=torch.int32, device=device).view(len(flags), world)
     work = dist.all_reduce(votes, group=group, async_op=later)
 
     def read() -> list[list[int]]:

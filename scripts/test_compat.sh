@@ -28,6 +28,7 @@ TESTS=(
     tests/test_lifetime.py
     tests/test_device_checks.py
     tests/test_step_runner.py
+    tests/test_lightning_step.py
     tests/test_fabric.py
     tests/test_managed_collision.py
     tests/test_managed_collision_multiprocess.py

@@ -188,7 +188,8 @@ def adapt_trainer_defaults(trainer: Any) -> Callable[[], None]:
     """Lightning's defaults made light and right for a sharded model.
 
     :func:`~lightning_torchrec.compat.lightning.lighter_defaults` (no progress-bar or profiler
-    work per step), and the Trainer's model summary counting each sharded table whole
+    work per step, no signature read or division by 1 in each training step), and the
+    Trainer's model summary counting each sharded table whole
     (:class:`~lightning_torchrec.lightning.summary.WholeTableSummary`).
 
     Args:

@@ -23,8 +23,10 @@ def check_even(last_ranks: list[int], stage: str, batch_idx: int) -> None:
     Raises:
         UnevenDataError: naming the ranks and their batch counts, the same on every rank.
     """
+    if not last_ranks:  # the common case, decided without asking torch.distributed
+        return
     _, world = rank_and_world_size()
-    if not last_ranks or len(last_ranks) == world:
+    if len(last_ranks) == world:
         return
     others = [r for r in range(world) if r not in last_ranks]
     raise UnevenDataError(
@@ -50,8 +52,10 @@ def check_in_step(evaluating: list[int]) -> None:
     Raises:
         UnevenDataError: naming the ranks, the same on every rank.
     """
+    if not evaluating:
+        return
     _, world = rank_and_world_size()
-    if not evaluating or len(evaluating) == world:
+    if len(evaluating) == world:
         return
     others = [r for r in range(world) if r not in evaluating]
     raise UnevenDataError(
