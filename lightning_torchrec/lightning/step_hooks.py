@@ -15,13 +15,14 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
-from lightning_torchrec.compat.lightning import is_last_batch, take_over_sigterm_broadcast
+from lightning_torchrec.compat.lightning import take_over_sigterm_broadcast
 from lightning_torchrec.compat.lightning_batches import move_batch
 from lightning_torchrec.compat.lightning_ddp import (
     DMPForwardRedirection,
     flush_first_static_backward,
     prepare_manual_backward,
 )
+from lightning_torchrec.compat.lightning_step import batch_index, is_last_batch
 from lightning_torchrec.distributed import peer_failure, run_collective
 from lightning_torchrec.errors import PeerFailureError, StopRequested
 from lightning_torchrec.failure_reports import begin_run, post, post_stop
@@ -178,7 +179,8 @@ class StepHooks:
         assert self._runner is not None
         trainer = self.lightning_module.trainer
         self._check_accumulation(trainer)
-        step, batch_idx = trainer.global_step, int(args[1] if len(args) > 1 else 0)
+        # Lightning's own index: a `training_step(self, batch)` gets none in `args`.
+        step, batch_idx = trainer.global_step, batch_index(trainer)
         last = is_last_batch(trainer) or batch_idx + 1 >= trainer.num_training_batches
         last = last or 0 < trainer.max_steps <= step + 1
         batch = args[0] if args else kwargs.pop("batch")
@@ -206,8 +208,10 @@ class StepHooks:
 
     def _eval_step(self, step_fn: Any, stage: str, args: Any, kwargs: Any) -> Any:
         assert self._runner is not None
-        batch_idx = int(args[1] if len(args) > 1 else kwargs.get("batch_idx", 0))
-        last = is_last_batch(self.lightning_module.trainer)
+        trainer = self.lightning_module.trainer
+        # A step that takes no `batch_idx` gets `(batch,)`: count as Lightning does.
+        batch_idx = int(args[1]) if len(args) > 1 else kwargs.get("batch_idx", batch_index(trainer))
+        last = is_last_batch(trainer)
         batch = args[0] if args else kwargs.pop("batch")
 
         def run(device_batch: Any) -> Any:
