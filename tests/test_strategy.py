@@ -352,3 +352,23 @@ def test_toggle_optimizer_leaves_fused_tables_trainable_and_refuses_to_freeze_th
     assert module.frozen == [False] * 3 and module.model.head.bias.requires_grad
     with pytest.raises(ValueError, match=r"optimizer 1 \(SGD\) cannot freeze .*'t_cat_3'"):
         fit(1)
+
+
+def test_a_step_that_fetches_its_own_batches_is_refused_unless_it_runs_unchecked() -> None:
+    from tests.scripts.positional import Positional, data
+
+    class FromIterator(Positional):
+        def training_step(self, dataloader_iter: Any) -> torch.Tensor:  # type: ignore[override]
+            batch, _, _ = next(dataloader_iter)
+            return super().training_step(batch, 0)
+
+    def fit(**kwargs: Any) -> L.Trainer:
+        strategy = TorchRecStrategy(constraints=table_wise(4), log_plan=False, **kwargs)
+        trainer = cpu_trainer(strategy, max_steps=3, limit_val_batches=0)
+        trainer.fit(FromIterator(), datamodule=data())
+        return trainer
+
+    # It used to fail as a batch "holding no KeyedJaggedTensor" (a pipeline: a bare TypeError).
+    with pytest.raises(ValueError, match=r"training_step\(self, dataloader_iter\) fetches"):
+        fit()
+    assert fit(validate_batches=False, pipeline=None).global_step == 3

@@ -13,11 +13,12 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from lightning.pytorch.loops.fetchers import _DataFetcherWrapper
 from lightning.pytorch.loops.optimization.automatic import ClosureResult
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor
 
-__all__ = ["batch_index", "is_last_batch", "lighter_training_step"]
+__all__ = ["batch_index", "is_dataloader_iter", "is_last_batch", "lighter_training_step"]
 
 
 def _running_loop(trainer: Any) -> Any:
@@ -61,6 +62,21 @@ def batch_index(trainer: Any) -> int:
         The batch's index.
     """
     return int(_running_loop(trainer).batch_progress.current.ready) - 1
+
+
+def is_dataloader_iter(batch: Any) -> bool:
+    """Whether a step got Lightning's ``dataloader_iter`` instead of a batch (lightning 2.0+).
+
+    A step hook that takes ``dataloader_iter`` fetches its batches itself: the loop passes a
+    ``_DataFetcherWrapper`` over the dataloader.
+
+    Args:
+        batch: the step's first argument.
+
+    Returns:
+        True for the wrapper.
+    """
+    return isinstance(batch, _DataFetcherWrapper)
 
 
 class StepKwargs:

@@ -24,7 +24,7 @@ from lightning_torchrec.compat.lightning_ddp import (
     flush_first_static_backward,
     prepare_manual_backward,
 )
-from lightning_torchrec.compat.lightning_step import batch_index, is_last_batch
+from lightning_torchrec.compat.lightning_step import batch_index, is_dataloader_iter, is_last_batch
 from lightning_torchrec.compat.lightning_toggle import toggle_leaving
 from lightning_torchrec.distributed import peer_failure, run_collective
 from lightning_torchrec.errors import PeerFailureError, StopRequested
@@ -233,6 +233,7 @@ class StepHooks:
         last = is_last_batch(trainer) or batch_idx + 1 >= trainer.num_training_batches
         last = last or 0 < trainer.max_steps <= step + 1
         batch = args[0] if args else kwargs.pop("batch")
+        self._refuse_dataloader_iter(batch, "training_step", self._runner.training)
         parent = super()
 
         def run(device_batch: Any) -> Any:
@@ -244,6 +245,21 @@ class StepHooks:
         except StopRequested:
             # Every rank stops at the same step, as after Lightning's own SIGTERM broadcast.
             raise SIGTERMException() from None
+
+    def _refuse_dataloader_iter(self, batch: Any, hook: str, pipeline: Any) -> None:
+        # A step that fetches its own batches (Lightning's `dataloader_iter`) escapes the checks
+        # and the vote, and a pipeline would hand it a batch: run unchecked and unpipelined only.
+        assert self._runner is not None
+        if not is_dataloader_iter(batch):
+            return
+        if self._runner.guard.validate_batches is not False or pipeline is not None:
+            raise ValueError(
+                f"{hook}(self, dataloader_iter) fetches its batches itself, so TorchRecStrategy "
+                "can neither check them against the tables before the step nor feed them through "
+                "a train pipeline. Take the batch as an argument (`(self, batch, batch_idx)`), "
+                "or pass TorchRecStrategy(validate_batches=False, pipeline=None) to run it "
+                "unchecked."
+            )
 
     def _check_accumulation(self, trainer: Any) -> None:
         # Set at setup, refused there; a callback may change it mid-fit (at an epoch's start).
@@ -262,6 +278,7 @@ class StepHooks:
         batch_idx = int(args[1]) if len(args) > 1 else kwargs.get("batch_idx", batch_index(trainer))
         last = is_last_batch(trainer)
         batch = args[0] if args else kwargs.pop("batch")
+        self._refuse_dataloader_iter(batch, step_fn.__name__, self._runner.evaluation)
 
         def run(device_batch: Any) -> Any:
             return step_fn(device_batch, *args[1:], **kwargs)
