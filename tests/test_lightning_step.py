@@ -123,3 +123,39 @@ def test_a_fit_gets_lightnings_arguments_and_teardown_gives_lightning_its_loop_b
     loop = trainer.fit_loop.epoch_loop
     assert "_build_kwargs" not in vars(loop)
     assert loop.automatic_optimization.output_result_cls is ClosureResult
+
+
+def test_steps_without_batch_idx_are_run_at_lightnings_index(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The runner's read-ahead, vote coverage and uneven-data counts follow the batch index: a
+    # `training_step(self, batch)` (Lightning passes it no index) must not be run at index 0.
+    from lightning_torchrec import TorchRecStrategy
+    from lightning_torchrec.training.step_runner import StepRunner
+    from tests.scripts.factory import cpu_trainer, table_wise, tiny_data, tiny_dlrm
+
+    module = tiny_dlrm()
+    cls = type(module)
+
+    def without_index(real: Any) -> Any:
+        return types.MethodType(lambda self, batch: real(self, batch, 0), module)
+
+    module.training_step = without_index(cls.training_step)  # type: ignore[method-assign]
+    module.validation_step = without_index(cls.validation_step)  # type: ignore[method-assign]
+    indices: dict[str, list[int]] = {"train": [], "eval": []}
+    train_step, eval_step = StepRunner.train_step, StepRunner.eval_step
+
+    def train(self: StepRunner, batch: Any, batch_idx: int, *args: Any) -> Any:
+        indices["train"].append(batch_idx)
+        return train_step(self, batch, batch_idx, *args)
+
+    def evaluate(self: StepRunner, batch: Any, stage: str, batch_idx: int, *args: Any) -> Any:
+        indices["eval"].append(batch_idx)
+        return eval_step(self, batch, stage, batch_idx, *args)
+
+    monkeypatch.setattr(StepRunner, "train_step", train)
+    monkeypatch.setattr(StepRunner, "eval_step", evaluate)
+    strategy = TorchRecStrategy(constraints=table_wise(2), log_plan=False)
+    trainer = cpu_trainer(strategy, max_epochs=2, num_sanity_val_steps=0)
+    trainer.fit(module, datamodule=tiny_data(train_batches=3, val_batches=2))
+    assert indices == {"train": [0, 1, 2, 0, 1, 2], "eval": [0, 1, 0, 1]}

@@ -304,3 +304,71 @@ def test_data_parallel_tables_train_exactly_like_torch() -> None:
     expected = reference.ebc.embedding_bags["dp"].weight
     torch.testing.assert_close(table.detach(), expected.detach(), rtol=0, atol=1e-6)
     torch.testing.assert_close(model.head.weight, reference.head.weight, rtol=0, atol=1e-6)
+
+
+class _Toggling(L.LightningModule):
+    """Lightning's manual pattern for two optimizers: toggle each around its own step."""
+
+    def __init__(self, toggled: int) -> None:
+        super().__init__()
+        from tests.scripts.positional import Positional
+
+        self.model = Positional()
+        self.toggled = toggled
+        self.automatic_optimization = False
+        self.frozen: list[bool] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()[self.toggled]  # type: ignore[index]
+        self.toggle_optimizer(opt)
+        self.frozen.append(self.model.head.bias.requires_grad)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(self.model(batch), batch.labels)
+        self.manual_backward(loss)
+        opt.step()
+        opt.zero_grad()
+        self.untoggle_optimizer(opt)
+
+    def configure_optimizers(self) -> Any:
+        head = self.model.head
+        return [torch.optim.SGD([head.weight], lr=0.1), torch.optim.SGD([head.bias], lr=0.1)]
+
+
+def test_toggle_optimizer_leaves_fused_tables_trainable_and_refuses_to_freeze_them() -> None:
+    from torchrec.distributed.model_parallel import DefaultDataParallelWrapper
+
+    from tests.scripts.positional import data
+
+    def fit(toggled: int) -> _Toggling:
+        module = _Toggling(toggled)
+        # toggling changes which dense parameters each backward uses
+        wrapper = DefaultDataParallelWrapper(static_graph=False, find_unused_parameters=True)
+        strategy = TorchRecStrategy(
+            constraints=table_wise(4), log_plan=False, data_parallel_wrapper=wrapper
+        )
+        cpu_trainer(strategy, max_steps=3).fit(module, datamodule=data())
+        return module
+
+    module = fit(0)  # the optimizer holding the fused tables: Lightning's toggle
+    assert module.frozen == [False] * 3 and module.model.head.bias.requires_grad
+    with pytest.raises(ValueError, match=r"optimizer 1 \(SGD\) cannot freeze .*'t_cat_3'"):
+        fit(1)
+
+
+def test_a_step_that_fetches_its_own_batches_is_refused_unless_it_runs_unchecked() -> None:
+    from tests.scripts.positional import Positional, data
+
+    class FromIterator(Positional):
+        def training_step(self, dataloader_iter: Any) -> torch.Tensor:  # type: ignore[override]
+            batch, _, _ = next(dataloader_iter)
+            return super().training_step(batch, 0)
+
+    def fit(**kwargs: Any) -> L.Trainer:
+        strategy = TorchRecStrategy(constraints=table_wise(4), log_plan=False, **kwargs)
+        trainer = cpu_trainer(strategy, max_steps=3, limit_val_batches=0)
+        trainer.fit(FromIterator(), datamodule=data())
+        return trainer
+
+    # It used to fail as a batch "holding no KeyedJaggedTensor" (a pipeline: a bare TypeError).
+    with pytest.raises(ValueError, match=r"training_step\(self, dataloader_iter\) fetches"):
+        fit()
+    assert fit(validate_batches=False, pipeline=None).global_step == 3

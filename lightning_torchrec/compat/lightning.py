@@ -235,31 +235,6 @@ def epoch_running(trainer: Any) -> bool:
     return int(current.started) > int(current.processed)
 
 
-def is_last_batch(trainer: Any) -> bool:
-    """Whether the batch the running loop just fetched is its dataloader's last.
-
-    Lightning's loops prefetch one batch and record the answer in
-    ``loop.batch_progress.is_last_batch`` (lightning 2.0+) before the step runs.
-
-    Args:
-        trainer: the Trainer, inside a training, validation, test or predict step.
-
-    Returns:
-        True at the last batch of the running loop.
-    """
-    stage = str(trainer.state.stage.value) if trainer.state.stage is not None else ""
-    fitting = str(trainer.state.fn.value) == "fit"
-    if stage == "train":
-        loop = trainer.fit_loop.epoch_loop
-    elif stage in ("validate", "sanity_check"):
-        loop = trainer.fit_loop.epoch_loop.val_loop if fitting else trainer.validate_loop
-    elif stage == "test":
-        loop = trainer.test_loop
-    else:
-        loop = trainer.predict_loop
-    return bool(loop.batch_progress.is_last_batch)
-
-
 def hpc_save_path(trainer: Any) -> str:
     """Where Lightning's SLURM requeue writes its checkpoint: the next ``hpc_ckpt_{n}.ckpt``.
 

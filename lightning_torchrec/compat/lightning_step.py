@@ -13,11 +13,70 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from lightning.pytorch.loops.fetchers import _DataFetcherWrapper
 from lightning.pytorch.loops.optimization.automatic import ClosureResult
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor
 
-__all__ = ["lighter_training_step"]
+__all__ = ["batch_index", "is_dataloader_iter", "is_last_batch", "lighter_training_step"]
+
+
+def _running_loop(trainer: Any) -> Any:
+    """The loop of the running stage (lightning 2.0+): training, validation, test or predict."""
+    stage = str(trainer.state.stage.value) if trainer.state.stage is not None else ""
+    fitting = str(trainer.state.fn.value) == "fit"
+    if stage == "train":
+        return trainer.fit_loop.epoch_loop
+    if stage in ("validate", "sanity_check"):
+        return trainer.fit_loop.epoch_loop.val_loop if fitting else trainer.validate_loop
+    return trainer.test_loop if stage == "test" else trainer.predict_loop
+
+
+def is_last_batch(trainer: Any) -> bool:
+    """Whether the batch the running loop just fetched is its dataloader's last.
+
+    Lightning's loops prefetch one batch and record the answer in
+    ``loop.batch_progress.is_last_batch`` (lightning 2.0+) before the step runs.
+
+    Args:
+        trainer: the Trainer, inside a training, validation, test or predict step.
+
+    Returns:
+        True at the last batch of the running loop.
+    """
+    return bool(_running_loop(trainer).batch_progress.is_last_batch)
+
+
+def batch_index(trainer: Any) -> int:
+    """The index of the running step's batch among the batches its loop ran in this epoch.
+
+    Lightning's own count (``batch_progress``, lightning 2.0+), taken before the step runs and
+    kept across a mid-epoch resume; in training, the ``batch_idx`` Lightning passes, also to a
+    ``training_step(self, batch)`` that takes none (an evaluation loop counts across its
+    dataloaders).
+
+    Args:
+        trainer: the Trainer, inside a training, validation, test or predict step.
+
+    Returns:
+        The batch's index.
+    """
+    return int(_running_loop(trainer).batch_progress.current.ready) - 1
+
+
+def is_dataloader_iter(batch: Any) -> bool:
+    """Whether a step got Lightning's ``dataloader_iter`` instead of a batch (lightning 2.0+).
+
+    A step hook that takes ``dataloader_iter`` fetches its batches itself: the loop passes a
+    ``_DataFetcherWrapper`` over the dataloader.
+
+    Args:
+        batch: the step's first argument.
+
+    Returns:
+        True for the wrapper.
+    """
+    return isinstance(batch, _DataFetcherWrapper)
 
 
 class StepKwargs:

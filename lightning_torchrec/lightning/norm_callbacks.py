@@ -15,7 +15,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_torchrec.compat.lightning import is_last_batch
+from lightning_torchrec.compat.lightning_step import is_last_batch
 from lightning_torchrec.distributed import is_distributed
 from lightning_torchrec.sharding.tables import embedding_tables, table_of_key
 from lightning_torchrec.training.ebc_norms import as_sample_size, log_ebc_norms

@@ -10,18 +10,22 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
-from lightning_torchrec.compat.lightning import is_last_batch, take_over_sigterm_broadcast
+from lightning_torchrec.compat.fused import kernel_tables
+from lightning_torchrec.compat.lightning import take_over_sigterm_broadcast
 from lightning_torchrec.compat.lightning_batches import move_batch
 from lightning_torchrec.compat.lightning_ddp import (
     DMPForwardRedirection,
     flush_first_static_backward,
     prepare_manual_backward,
 )
+from lightning_torchrec.compat.lightning_step import batch_index, is_dataloader_iter, is_last_batch
+from lightning_torchrec.compat.lightning_toggle import toggle_leaving
 from lightning_torchrec.distributed import peer_failure, run_collective
 from lightning_torchrec.errors import PeerFailureError, StopRequested
 from lightning_torchrec.failure_reports import begin_run, post, post_stop
@@ -103,6 +107,50 @@ def take_over_step_votes(trainer: Any, runner: StepRunner) -> Any:
     return undo
 
 
+def guard_toggles(module: Any) -> Any:
+    """Makes ``module.toggle_optimizer`` work with fused tables; returns what undoes it.
+
+    Lightning's ``toggle_optimizer`` freezes every other optimizer's parameters: the fused
+    tables' (combined into the first optimizer) refuse it with an unnamed torch error, and
+    could not be frozen anyway, since their kernels update them in the backward of any loss
+    that reaches them. Toggling the optimizer that holds them is Lightning's toggle with the
+    tables left trainable; toggling another is refused, naming them. A module with its own
+    ``toggle_optimizer`` keeps it.
+
+    Args:
+        module: the LightningModule about to train (manual optimization).
+
+    Returns:
+        A function that gives the module Lightning's ``toggle_optimizer`` back.
+    """
+    if type(module).toggle_optimizer is not L.LightningModule.toggle_optimizer:
+        return lambda: None
+
+    def toggle(optimizer: Any) -> None:
+        holder = next(
+            (o for o in module.trainer.optimizers if getattr(o, "fused", None) is not None), None
+        )
+        if holder is None:
+            return L.LightningModule.toggle_optimizer(module, optimizer)
+        inner = getattr(optimizer, "optimizer", optimizer)
+        if inner is not holder:
+            tables = [t for _, kernel in holder.fused_groups() for t in kernel_tables(kernel)]
+            optimizers = list(module.trainer.optimizers)
+            where = optimizers.index(inner) if inner in optimizers else "?"
+            name = type(getattr(inner, "dense_optimizer", inner)).__name__
+            raise ValueError(
+                f"toggle_optimizer of optimizer {where} ({name}) cannot freeze the fused "
+                f"embedding tables {sorted(set(tables))} of optimizer 0: their kernels update "
+                "them inside the backward of any loss that reaches them. Detach the embeddings "
+                "from this optimizer's loss instead, or toggle only optimizer 0."
+            )
+        fused = {id(p) for group in holder.fused.param_groups for p in group["params"]}
+        toggle_leaving(module, optimizer, fused)
+
+    vars(module)["toggle_optimizer"] = toggle
+    return lambda: vars(module).pop("toggle_optimizer", None)
+
+
 class StepHooks:
     """Mixin for ``TorchRecStrategy`` (which provides the annotated attributes)."""
 
@@ -121,6 +169,8 @@ class StepHooks:
     model: Any
     #: The dense DDP whose first (static-graph) manual backward was all-reduced.
     _flushed: Any = None
+    #: Undoes :func:`guard_toggles` (set during a manual-optimization fit).
+    _undo_toggles: Any = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -178,10 +228,12 @@ class StepHooks:
         assert self._runner is not None
         trainer = self.lightning_module.trainer
         self._check_accumulation(trainer)
-        step, batch_idx = trainer.global_step, int(args[1] if len(args) > 1 else 0)
+        # Lightning's own index: a `training_step(self, batch)` gets none in `args`.
+        step, batch_idx = trainer.global_step, batch_index(trainer)
         last = is_last_batch(trainer) or batch_idx + 1 >= trainer.num_training_batches
         last = last or 0 < trainer.max_steps <= step + 1
         batch = args[0] if args else kwargs.pop("batch")
+        self._refuse_dataloader_iter(batch, "training_step", self._runner.training)
         parent = super()
 
         def run(device_batch: Any) -> Any:
@@ -193,6 +245,21 @@ class StepHooks:
         except StopRequested:
             # Every rank stops at the same step, as after Lightning's own SIGTERM broadcast.
             raise SIGTERMException() from None
+
+    def _refuse_dataloader_iter(self, batch: Any, hook: str, pipeline: Any) -> None:
+        # A step that fetches its own batches (Lightning's `dataloader_iter`) escapes the checks
+        # and the vote, and a pipeline would hand it a batch: run unchecked and unpipelined only.
+        assert self._runner is not None
+        if not is_dataloader_iter(batch):
+            return
+        if self._runner.guard.validate_batches is not False or pipeline is not None:
+            raise ValueError(
+                f"{hook}(self, dataloader_iter) fetches its batches itself, so TorchRecStrategy "
+                "can neither check them against the tables before the step nor feed them through "
+                "a train pipeline. Take the batch as an argument (`(self, batch, batch_idx)`), "
+                "or pass TorchRecStrategy(validate_batches=False, pipeline=None) to run it "
+                "unchecked."
+            )
 
     def _check_accumulation(self, trainer: Any) -> None:
         # Set at setup, refused there; a callback may change it mid-fit (at an epoch's start).
@@ -206,9 +273,12 @@ class StepHooks:
 
     def _eval_step(self, step_fn: Any, stage: str, args: Any, kwargs: Any) -> Any:
         assert self._runner is not None
-        batch_idx = int(args[1] if len(args) > 1 else kwargs.get("batch_idx", 0))
-        last = is_last_batch(self.lightning_module.trainer)
+        trainer = self.lightning_module.trainer
+        # A step that takes no `batch_idx` gets `(batch,)`: count as Lightning does.
+        batch_idx = int(args[1]) if len(args) > 1 else kwargs.get("batch_idx", batch_index(trainer))
+        last = is_last_batch(trainer)
         batch = args[0] if args else kwargs.pop("batch")
+        self._refuse_dataloader_iter(batch, step_fn.__name__, self._runner.evaluation)
 
         def run(device_batch: Any) -> Any:
             return step_fn(device_batch, *args[1:], **kwargs)
@@ -268,7 +338,14 @@ class StepHooks:
     @override
     def on_train_start(self) -> None:
         self.tables_ahead = False  # a failed fit before this one may have left it set
+        if not self.lightning_module.automatic_optimization:
+            self._undo_toggles = guard_toggles(self.lightning_module)
         super().on_train_start()  # type: ignore[misc]
+
+    def _give_toggles_back(self) -> None:
+        if self._undo_toggles is not None:
+            self._undo_toggles()
+        self._undo_toggles = None
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -283,6 +360,7 @@ class StepHooks:
             name = type(failure).__name__
             print(f"[rank {rank}] {name}: {failure}", file=sys.stderr, flush=True)
         self.report_failure(failure)  # not a dead peer's bare error: that is not this rank's
+        self._give_toggles_back()
         super().on_exception(exception)  # type: ignore[misc]
 
     def report_failure(self, exception: BaseException) -> None:
@@ -298,6 +376,7 @@ class StepHooks:
 
     @override
     def on_train_end(self) -> None:
+        self._give_toggles_back()
         trainer = attached_trainer(self.lightning_module)
         if trainer is not None and trainer.should_stop and getattr(self, "world_size", 1) > 1:
             post_stop(f"global step {trainer.global_step}", getattr(self, "global_rank", 0))
