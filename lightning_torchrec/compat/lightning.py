@@ -24,8 +24,6 @@ from lightning.pytorch.strategies.launchers.multiprocessing import (
 )
 from typing_extensions import override
 
-from lightning_torchrec.compat.lightning_step import lighter_training_step
-
 #: The attributes Lightning sets on the LightningModule at every training step (lightning 2.0+):
 #: ``_current_fx_name`` before and after each hook call (44 times a step), a hook's name or None;
 #: and ``forward``, twice a step, when a wrapped model's ``training_step`` is reached through the
@@ -147,20 +145,12 @@ def quiet_default_profiler(trainer: Any) -> Callable[[], None]:
 
 
 def lighter_defaults(trainer: Any) -> Callable[[], None]:
-    """Lightning's per-step extras, trimmed for one run; returns what undoes them.
-
-    :func:`throttle_progress_bar`, :func:`quiet_default_profiler` and
-    :func:`~lightning_torchrec.compat.lightning_step.lighter_training_step`.
-    """
-    undos = (
-        throttle_progress_bar(trainer),
-        quiet_default_profiler(trainer),
-        lighter_training_step(trainer),
-    )
+    """:func:`throttle_progress_bar` and :func:`quiet_default_profiler`; returns both undos."""
+    undo_bar, undo_profiler = throttle_progress_bar(trainer), quiet_default_profiler(trainer)
 
     def undo() -> None:
-        for each in undos:
-            each()
+        undo_bar()
+        undo_profiler()
 
     return undo
 

@@ -26,6 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_torchrec.checkpoint.paths import local_path
 from lightning_torchrec.compat.lightning import lighter_defaults
 from lightning_torchrec.compat.lightning_callbacks import pruning_targets, summarize_with
+from lightning_torchrec.compat.lightning_step import lighter_training_step
 from lightning_torchrec.lightning.summary import WholeTableSummary
 from lightning_torchrec.sharding.plan_summary import PlanSummary
 from lightning_torchrec.sharding.sharders import has_fused_tables
@@ -185,25 +186,26 @@ def check_pruning(trainer: Any) -> None:
 
 
 def adapt_trainer_defaults(trainer: Any) -> Callable[[], None]:
-    """Lightning's defaults made light and right for a sharded model.
+    """Lightning's defaults made light and right for a sharded model; returns the undo.
 
-    :func:`~lightning_torchrec.compat.lightning.lighter_defaults` (no progress-bar or profiler
-    work per step, no signature read or division by 1 in each training step), and the
-    Trainer's model summary counting each sharded table whole
+    No progress-bar, profiler, signature or loss-division work per step
+    (:func:`~lightning_torchrec.compat.lightning.lighter_defaults`,
+    :func:`~lightning_torchrec.compat.lightning_step.lighter_training_step`), and the model
+    summary counting each sharded table whole
     (:class:`~lightning_torchrec.lightning.summary.WholeTableSummary`).
 
     Args:
         trainer: the Trainer being set up.
 
     Returns:
-        A function that undoes both (call it in teardown).
+        A function that undoes all three (call it in teardown).
     """
-    undo_defaults = lighter_defaults(trainer)
-    undo_summary = summarize_with(trainer, lambda m, depth: WholeTableSummary(m, max_depth=depth))
+    summary = summarize_with(trainer, lambda m, depth: WholeTableSummary(m, max_depth=depth))
+    undos = (lighter_defaults(trainer), lighter_training_step(trainer), summary)
 
     def undo() -> None:
-        undo_defaults()
-        undo_summary()
+        for each in undos:
+            each()
 
     return undo
 
