@@ -230,3 +230,22 @@ def test_validation_and_test_files_are_checked_when_the_module_is_built(tmp_path
             train, ["d0"], ["a"], "label", test_paths=str(tmp_path / "nothing*"), batch_size=2
         )
     ParquetClickData(train, ["d0"], ["a"], "label", val_paths=train, test_paths=train, batch_size=2)
+
+
+def test_large_integer_dense_label_and_weight_columns_are_read(tmp_path: Path) -> None:
+    """int64/uint64 numbers above 2**24 (counts, timestamps) round to float32, as documented for
+    "any number type"; Arrow's safe cast refused them with an error naming no file or column."""
+    big = [123456789, 2**40 + 1, 16777217, 5]
+    table = pa.table(
+        {
+            "d0": pa.array(big, pa.int64()),
+            "a": pa.array([1, 2, 3, 4]),
+            "label": pa.array([0, 1, 0, 1], pa.int64()),
+            "w": pa.array([2**63 + 5, 1, 2, 3], pa.uint64()),
+        }
+    )
+    pq.write_table(table, tmp_path / "p.parquet")
+    ds = ParquetClickDataset(str(tmp_path), ["d0"], ["a"], "label", "w", batch_size=4)
+    batch = next(iter(ds))
+    assert batch.dense_features[:, 0].tolist() == [float(np.float32(x)) for x in big]
+    assert batch.weights is not None and batch.weights[0] == float(np.float32(2**63 + 5))
