@@ -236,3 +236,19 @@ def test_a_failed_preprocess_leaves_no_day_behind_and_the_command_says_why_in_on
     assert list(out.iterdir()) == []
     (tmp_path / "day_1").write_text("\n".join([criteo_line()] * 10) + "\n")
     assert len(preprocess([tmp_path / "day_0", tmp_path / "day_1"], out)) == 2
+
+
+def test_a_resume_under_another_batch_size_trains_the_rest_of_the_epoch(tmp_path: Path) -> None:
+    """Saved 6 batches of 10 rows in, resumed with batches of 20: the loader skips 3 (the 60
+    rows trained) and the fit loop counts 3, not the checkpoint's 6, so the epoch's last 3
+    batches are trained (the loop ended the epoch at its 20th batch without them)."""
+    file = write_parquet(tmp_path)
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=6, save_top_k=-1)
+    small = ParquetClickData(str(file), ["d0"], ["a"], "label", batch_size=10)
+    trainer(tmp_path, [saver], max_steps=6).fit(Linear(), datamodule=small)
+    resumed = Linear()
+    with pytest.warns(UserWarning, match="batch_size 10 -> 20"):
+        trainer(tmp_path, max_epochs=1).fit(
+            resumed, datamodule=parquet_data(file), ckpt_path=tmp_path / "ckpts/epoch=0-step=6.ckpt"
+        )
+    assert [x for _, x in resumed.seen] == list(range(60, ROWS, 20))
