@@ -18,7 +18,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_torchrec.data import ParquetClickData, ResumableDataLoader
+from lightning_torchrec.data import CriteoDataModule, ParquetClickData, ResumableDataLoader
 from lightning_torchrec.data.criteo import CriteoIterableDataset, parse_tsv, preprocess
 from lightning_torchrec.data.criteo import main as criteo_main
 from lightning_torchrec.data.parquet import ParquetClickDataset
@@ -252,3 +252,24 @@ def test_a_resume_under_another_batch_size_trains_the_rest_of_the_epoch(tmp_path
             resumed, datamodule=parquet_data(file), ckpt_path=tmp_path / "ckpts/epoch=0-step=6.ckpt"
         )
     assert [x for _, x in resumed.seen] == list(range(60, ROWS, 20))
+
+
+def test_a_new_conversion_leaves_no_days_of_the_old_one_in_the_cache(tmp_path: Path) -> None:
+    """Converted again with fewer days (here larger ``rows_per_file``), the cache kept the old
+    days 2 to 4: they were read as training days, and old day 4 (rows the new training days
+    hold) as the validation day."""
+    line = "\t".join(["1"] + ["1"] * 13 + ["ab"] * 26)
+    (tmp_path / "train.txt").write_text((line + "\n") * 500)
+
+    def data(rows_per_file: int) -> CriteoDataModule:
+        module = CriteoDataModule(
+            str(tmp_path), num_embeddings=10, batch_size=10, rows_per_file=rows_per_file
+        )
+        module.prepare_data()
+        return module
+
+    assert len(data(100).train_dataloader()) == 40  # days 0-3 of 100 rows
+    module = data(250)
+    days = sorted(p.name for p in (tmp_path / "npy").glob("*.npy"))
+    assert days == [f"day_{d}_{k}.npy" for d in (0, 1) for k in ("dense", "labels", "sparse")]
+    assert len(module.train_dataloader()) == 25 and len(module.val_dataloader()) == 12
