@@ -273,3 +273,19 @@ def test_a_new_conversion_leaves_no_days_of_the_old_one_in_the_cache(tmp_path: P
     days = sorted(p.name for p in (tmp_path / "npy").glob("*.npy"))
     assert days == [f"day_{d}_{k}.npy" for d in (0, 1) for k in ("dense", "labels", "sparse")]
     assert len(module.train_dataloader()) == 25 and len(module.val_dataloader()) == 12
+
+
+def test_a_resume_after_files_were_added_warns(tmp_path: Path) -> None:
+    """A file added to the directory between the save and the resume changes the epoch (the
+    files are read in name order): the count skipped is no longer the rows trained on."""
+    (tmp_path / "data").mkdir()
+    write_parquet(tmp_path / "data")
+    saved = parquet_data(tmp_path / "data").train_dataloader()
+    it = iter(saved)
+    next(it), next(it)
+    state = saved.state_dict()
+    pq.write_table(pq.read_table(tmp_path / "data/p.parquet"), tmp_path / "data/a.parquet")
+    grown = parquet_data(tmp_path / "data").train_dataloader()
+    with pytest.warns(UserWarning, match="after 2 batches of an epoch of 20, but its files now"):
+        grown.load_state_dict(state)
+    assert grown.skip_next == 2

@@ -241,7 +241,8 @@ class ResumableDataLoader(DataLoader):
         dataset's cannot resume exactly: its batches come in another order. It skips as many
         rows as were trained on (``start * world_size * batch_size`` of the saved layout,
         divided by this one's), with a warning naming the change, as the strategy carries a
-        map-style loader's position to another world size.
+        map-style loader's position to another world size. Under the same layout, an epoch
+        of another length than the saved one (files added or removed since) warns too.
 
         Args:
             state: from :meth:`state_dict`.
@@ -268,6 +269,15 @@ class ResumableDataLoader(DataLoader):
                 )
                 if self.restart is not None and start < len(self):
                     self.restart(start)
+            elif int(state.get("epoch_batches", len(self))) != len(self):
+                rank_zero_warn(
+                    f"{type(self.dataset).__name__} resumes mid-epoch after {start} batches of "
+                    f"an epoch of {state['epoch_batches']}, but its files now give "
+                    f"{len(self)} batches per epoch (files added, removed or rewritten since "
+                    "the checkpoint): the batches it skips are not those trained on (some of "
+                    "the epoch may be trained twice, some not at all). Resume with the same "
+                    "data, or from a checkpoint written at an epoch's end, for an exact resume."
+                )
         self.skip_next = start if start < len(self) else 0
 
 
