@@ -249,3 +249,21 @@ def test_large_integer_dense_label_and_weight_columns_are_read(tmp_path: Path) -
     batch = next(iter(ds))
     assert batch.dense_features[:, 0].tolist() == [float(np.float32(x)) for x in big]
     assert batch.weights is not None and batch.weights[0] == float(np.float32(2**63 + 5))
+
+
+def test_a_truncated_or_corrupt_file_is_named(tmp_path: Path) -> None:
+    """pyarrow's errors ("Parquet magic bytes not found in footer", "Couldn't deserialize
+    thrift") name no file: among many files (one still being copied) the culprit was unknown."""
+    table = pa.table({"d0": [1.0, 2.0], "a": [1, 2], "label": [0, 1]})
+    pq.write_table(table, tmp_path / "good.parquet")
+    data = (tmp_path / "good.parquet").read_bytes()
+    (tmp_path / "cut.parquet").write_bytes(data[:-30])
+    with pytest.raises(ValueError, match=r"cut.parquet: not a readable Parquet file: .*magic"):
+        ParquetClickDataset(str(tmp_path), ["d0"], ["a"], "label", batch_size=1)
+    (tmp_path / "cut.parquet").unlink()
+    (tmp_path / "pages.parquet").write_bytes(bytes(b ^ 0xFF for b in data[:60]) + data[60:])
+    dataset = ParquetClickDataset(
+        str(tmp_path / "pages.parquet"), ["d0"], ["a"], "label", batch_size=1
+    )
+    with pytest.raises(ValueError, match=r"pages.parquet \(row group 0\): cannot be read"):
+        next(iter(dataset))

@@ -88,8 +88,9 @@ class ParquetClickDataset(ResumableIterableDataset):
 
     Raises:
         ValueError: naming the file and column, for a missing column or one of the wrong type,
-            when the files have fewer rows than one batch per reader, or for a table size or
-            batch size below 1.
+            naming the file for one that is not Parquet (or is truncated), when the files have
+            fewer rows than one batch per reader, or for a table size or batch size below 1.
+            A row group that cannot be read fails when it is read, naming the file and group.
     """
 
     def __init__(
@@ -130,7 +131,10 @@ class ParquetClickDataset(ResumableIterableDataset):
         # A sparse column is read as bags (jagged) if any file holds it as lists.
         self.bags = [False] * len(self.sparse_columns)
         for i, path in enumerate(self.files):
-            meta = pq.read_metadata(path)
+            try:
+                meta = pq.read_metadata(path)
+            except (pa.ArrowException, OSError) as e:  # pyarrow's messages name no file
+                raise ValueError(f"{path}: not a readable Parquet file: {e}") from e
             schema = meta.schema.to_arrow_schema()
             check_schema(
                 path, schema, self.dense_columns, self.sparse_columns, label_column, weight_column
@@ -228,10 +232,14 @@ class ParquetClickDataset(ResumableIterableDataset):
             if to_skip >= rows:  # never read a row group the resumed run skips whole
                 to_skip -= rows
                 continue
-            if file_index not in opened:
-                opened.clear()
-                opened[file_index] = pq.ParquetFile(self.files[file_index])
-            table = opened[file_index].read_row_group(group, columns=self.columns())
+            try:
+                if file_index not in opened:
+                    opened.clear()
+                    opened[file_index] = pq.ParquetFile(self.files[file_index])
+                table = opened[file_index].read_row_group(group, columns=self.columns())
+            except (pa.ArrowException, OSError) as e:  # a corrupt page: name the row group
+                where = f"{self.files[file_index]} (row group {group})"
+                raise ValueError(f"{where}: cannot be read: {e}") from e
             if to_skip:
                 table, to_skip = table.slice(to_skip), 0
             # One schema for every file's rows: a batch may span two files.
