@@ -267,3 +267,13 @@ def test_a_truncated_or_corrupt_file_is_named(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match=r"pages.parquet \(row group 0\): cannot be read"):
         next(iter(dataset))
+
+
+def test_a_file_without_dense_columns_gives_an_empty_dense_width(tmp_path: Path) -> None:
+    """``dense_columns=[]`` (a model of ids only) failed at the first batch with NumPy's bare
+    "need at least one array to stack"."""
+    pq.write_table(pa.table({"a": [1, 2, 3], "label": [0, 1, 0]}), tmp_path / "p.parquet")
+    data = ParquetClickData(str(tmp_path), [], ["a"], "label", batch_size=3)
+    batch = next(iter(data.train_dataloader()))
+    assert batch.dense_features.shape == (3, 0) and batch.dense_features.dtype == torch.float32
+    assert batch.sparse_features["a"].values().tolist() == [1, 2, 3]

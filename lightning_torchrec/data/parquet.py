@@ -198,8 +198,10 @@ class ParquetClickDataset(ResumableIterableDataset):
 
     def _batch(self, rows: pa.Table) -> Batch:
         """The batch of rows made by :meth:`_normalise`."""
-        # np.stack copies the columns into one writable [batch, dense] array.
-        dense = np.stack([number_column(rows.column(c)).to_numpy() for c in self.dense_columns], 1)
+        # np.stack copies the columns into one writable [batch, dense] array ([batch, 0] for a
+        # model of sparse features only: np.stack of no column fails).
+        columns = [number_column(rows.column(c)).to_numpy() for c in self.dense_columns]
+        dense = np.stack(columns, 1) if columns else np.zeros((rows.num_rows, 0), np.float32)
         ids = [bag_values(rows.column(c)) for c in self.sparse_columns]
         weights = number_tensor(rows.column(self.weight_column)) if self.weight_column else None
         return Batch(
