@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from lightning_torchrec.data.parquet import ParquetClickData, ParquetClickDataset
+from lightning_torchrec.data.parquet import ParquetClickData, ParquetClickDataset, expand_paths
 from lightning_torchrec.data.resumable import ResumableDataLoader
 
 DENSE, SPARSE = ["d0", "d1"], ["a", "b"]
@@ -277,3 +277,16 @@ def test_a_file_without_dense_columns_gives_an_empty_dense_width(tmp_path: Path)
     batch = next(iter(data.train_dataloader()))
     assert batch.dense_features.shape == (3, 0) and batch.dense_features.dtype == torch.float32
     assert batch.sparse_features["a"].values().tolist() == [1, 2, 3]
+
+
+def test_a_file_named_with_glob_characters_is_found(tmp_path: Path) -> None:
+    """``clicks[2024].parquet`` was taken for a glob pattern (matching ``clicks2.parquet``...),
+    so the existing file was refused: 'no Parquet files at ...'."""
+    table = pa.table({"d0": [1.0, 2.0], "a": [1, 2], "label": [0, 1]})
+    pq.write_table(table, tmp_path / "clicks[2024].parquet")
+    data = ParquetClickData(
+        str(tmp_path / "clicks[2024].parquet"), ["d0"], ["a"], "label", batch_size=2
+    )
+    assert len(data.train_dataloader()) == 1
+    pq.write_table(table, tmp_path / "p1.parquet")
+    assert expand_paths(str(tmp_path / "p[0-9].parquet")) == [tmp_path / "p1.parquet"]

@@ -46,6 +46,8 @@ __all__ = ["ParquetClickData", "ParquetClickDataset", "expand_paths"]
 def expand_paths(paths: str | Sequence[str]) -> list[Path]:
     """Parquet files from files, directories (their ``*.parquet``, sorted) and glob patterns.
 
+    A path that exists is taken as it is, even when its name holds ``*``, ``?`` or ``[``.
+
     Args:
         paths: one path or pattern, or several.
 
@@ -60,10 +62,12 @@ def expand_paths(paths: str | Sequence[str]) -> list[Path]:
         path = Path(p)
         if path.is_dir():
             found = sorted(path.glob("*.parquet"))
+        elif path.exists():  # a file named with glob characters ("clicks[2024].parquet")
+            found = [path]
         elif any(c in str(p) for c in "*?["):
             found = sorted(Path(f) for f in glob.glob(str(p)))
         else:
-            found = [path] if path.exists() else []
+            found = []
         if not found:
             raise FileNotFoundError(f"no Parquet files at {p}")
         files.extend(found)
