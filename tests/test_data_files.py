@@ -18,7 +18,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_torchrec.data import ParquetClickData, ResumableDataLoader
+from lightning_torchrec.data import CriteoDataModule, ParquetClickData, ResumableDataLoader
 from lightning_torchrec.data.criteo import CriteoIterableDataset, parse_tsv, preprocess
 from lightning_torchrec.data.criteo import main as criteo_main
 from lightning_torchrec.data.parquet import ParquetClickDataset
@@ -236,3 +236,56 @@ def test_a_failed_preprocess_leaves_no_day_behind_and_the_command_says_why_in_on
     assert list(out.iterdir()) == []
     (tmp_path / "day_1").write_text("\n".join([criteo_line()] * 10) + "\n")
     assert len(preprocess([tmp_path / "day_0", tmp_path / "day_1"], out)) == 2
+
+
+def test_a_resume_under_another_batch_size_trains_the_rest_of_the_epoch(tmp_path: Path) -> None:
+    """Saved 6 batches of 10 rows in, resumed with batches of 20: the loader skips 3 (the 60
+    rows trained) and the fit loop counts 3, not the checkpoint's 6, so the epoch's last 3
+    batches are trained (the loop ended the epoch at its 20th batch without them)."""
+    file = write_parquet(tmp_path)
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=6, save_top_k=-1)
+    small = ParquetClickData(str(file), ["d0"], ["a"], "label", batch_size=10)
+    trainer(tmp_path, [saver], max_steps=6).fit(Linear(), datamodule=small)
+    resumed = Linear()
+    with pytest.warns(UserWarning, match="batch_size 10 -> 20"):
+        trainer(tmp_path, max_epochs=1).fit(
+            resumed, datamodule=parquet_data(file), ckpt_path=tmp_path / "ckpts/epoch=0-step=6.ckpt"
+        )
+    assert [x for _, x in resumed.seen] == list(range(60, ROWS, 20))
+
+
+def test_a_new_conversion_leaves_no_days_of_the_old_one_in_the_cache(tmp_path: Path) -> None:
+    """Converted again with fewer days (here larger ``rows_per_file``), the cache kept the old
+    days 2 to 4: they were read as training days, and old day 4 (rows the new training days
+    hold) as the validation day."""
+    line = "\t".join(["1"] + ["1"] * 13 + ["ab"] * 26)
+    (tmp_path / "train.txt").write_text((line + "\n") * 500)
+
+    def data(rows_per_file: int) -> CriteoDataModule:
+        module = CriteoDataModule(
+            str(tmp_path), num_embeddings=10, batch_size=10, rows_per_file=rows_per_file
+        )
+        module.prepare_data()
+        return module
+
+    assert len(data(100).train_dataloader()) == 40  # days 0-3 of 100 rows
+    module = data(250)
+    days = sorted(p.name for p in (tmp_path / "npy").glob("*.npy"))
+    assert days == [f"day_{d}_{k}.npy" for d in (0, 1) for k in ("dense", "labels", "sparse")]
+    assert len(module.train_dataloader()) == 25 and len(module.val_dataloader()) == 12
+
+
+def test_a_resume_after_files_were_added_warns(tmp_path: Path) -> None:
+    """A file added to the directory between the save and the resume changes the epoch (the
+    files are read in name order): the count skipped is no longer the rows trained on."""
+    (tmp_path / "data").mkdir()
+    write_parquet(tmp_path / "data")
+    saved = parquet_data(tmp_path / "data").train_dataloader()
+    it = iter(saved)
+    next(it), next(it)
+    state = saved.state_dict()
+    pq.write_table(pq.read_table(tmp_path / "data/p.parquet"), tmp_path / "data/a.parquet")
+    grown = parquet_data(tmp_path / "data").train_dataloader()
+    with pytest.warns(UserWarning, match="after 2 batches of an epoch of 20, but its files now"):
+        grown.load_state_dict(state)
+    assert grown.skip_next == 2

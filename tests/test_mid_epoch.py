@@ -123,9 +123,13 @@ class Stream(IterableDataset):
         return iter(range(4))
 
 
-def trainer_at(epoch: int) -> Any:
+def trainer_at(epoch: int, batches: int = 0) -> Any:
+    """A trainer whose fit loop was restored in ``epoch``, ``batches`` of it processed (saved
+    at a batch's end: the last one not completed)."""
     progress = SimpleNamespace(current=SimpleNamespace(processed=epoch))
-    return SimpleNamespace(fit_loop=SimpleNamespace(epoch_progress=progress))
+    counts = dict(ready=batches, started=batches, processed=batches, completed=batches - 1)
+    epoch_loop = SimpleNamespace(batch_progress=SimpleNamespace(current=SimpleNamespace(**counts)))
+    return SimpleNamespace(fit_loop=SimpleNamespace(epoch_progress=progress, epoch_loop=epoch_loop))
 
 
 def test_the_resume_skips_only_in_the_saved_epoch() -> None:
@@ -272,13 +276,18 @@ def test_a_position_from_another_world_size_counts_the_same_global_batches() -> 
     position = rescale(saved, 3)
     assert position is not None and position["batches"] == 2
     loader = DataLoader(Counting(24), batch_size=2)
+    restored = trainer_at(1, batches=3)
     with pytest.warns(
         UserWarning,
         match=r"3 batches into epoch 1 on 2 ranks; this run has 3\. It resumes after 2 batches "
         r"per rank \(6 of the 6 the 2 ranks trained; 0 trained again\)",
     ):
-        assert resume_in_epoch(loader, position, trainer_at(1), warn=True)
+        assert resume_in_epoch(loader, position, restored, warn=True)
     assert next(iter(loader)).tolist() == [4, 5]
+    # the fit loop counts the 2 batches skipped, not the checkpoint's 3: it would otherwise end
+    # the epoch one batch before the loader's end (on more ranks than the checkpoint's)
+    current = restored.fit_loop.epoch_loop.batch_progress.current
+    assert (current.ready, current.started, current.processed, current.completed) == (2, 2, 2, 1)
     # a loader that restores its own position is left to it, without a warning
     assert not resume_in_epoch(
         SimpleNamespace(state_dict=dict, load_state_dict=print), position, trainer_at(1), warn=True

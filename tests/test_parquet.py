@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from lightning_torchrec.data.parquet import ParquetClickData, ParquetClickDataset
+from lightning_torchrec.data.parquet import ParquetClickData, ParquetClickDataset, expand_paths
 from lightning_torchrec.data.resumable import ResumableDataLoader
 
 DENSE, SPARSE = ["d0", "d1"], ["a", "b"]
@@ -230,3 +230,63 @@ def test_validation_and_test_files_are_checked_when_the_module_is_built(tmp_path
             train, ["d0"], ["a"], "label", test_paths=str(tmp_path / "nothing*"), batch_size=2
         )
     ParquetClickData(train, ["d0"], ["a"], "label", val_paths=train, test_paths=train, batch_size=2)
+
+
+def test_large_integer_dense_label_and_weight_columns_are_read(tmp_path: Path) -> None:
+    """int64/uint64 numbers above 2**24 (counts, timestamps) round to float32, as documented for
+    "any number type"; Arrow's safe cast refused them with an error naming no file or column."""
+    big = [123456789, 2**40 + 1, 16777217, 5]
+    table = pa.table(
+        {
+            "d0": pa.array(big, pa.int64()),
+            "a": pa.array([1, 2, 3, 4]),
+            "label": pa.array([0, 1, 0, 1], pa.int64()),
+            "w": pa.array([2**63 + 5, 1, 2, 3], pa.uint64()),
+        }
+    )
+    pq.write_table(table, tmp_path / "p.parquet")
+    ds = ParquetClickDataset(str(tmp_path), ["d0"], ["a"], "label", "w", batch_size=4)
+    batch = next(iter(ds))
+    assert batch.dense_features[:, 0].tolist() == [float(np.float32(x)) for x in big]
+    assert batch.weights is not None and batch.weights[0] == float(np.float32(2**63 + 5))
+
+
+def test_a_truncated_or_corrupt_file_is_named(tmp_path: Path) -> None:
+    """pyarrow's errors ("Parquet magic bytes not found in footer", "Couldn't deserialize
+    thrift") name no file: among many files (one still being copied) the culprit was unknown."""
+    table = pa.table({"d0": [1.0, 2.0], "a": [1, 2], "label": [0, 1]})
+    pq.write_table(table, tmp_path / "good.parquet")
+    data = (tmp_path / "good.parquet").read_bytes()
+    (tmp_path / "cut.parquet").write_bytes(data[:-30])
+    with pytest.raises(ValueError, match=r"cut.parquet: not a readable Parquet file: .*magic"):
+        ParquetClickDataset(str(tmp_path), ["d0"], ["a"], "label", batch_size=1)
+    (tmp_path / "cut.parquet").unlink()
+    (tmp_path / "pages.parquet").write_bytes(bytes(b ^ 0xFF for b in data[:60]) + data[60:])
+    dataset = ParquetClickDataset(
+        str(tmp_path / "pages.parquet"), ["d0"], ["a"], "label", batch_size=1
+    )
+    with pytest.raises(ValueError, match=r"pages.parquet \(row group 0\): cannot be read"):
+        next(iter(dataset))
+
+
+def test_a_file_without_dense_columns_gives_an_empty_dense_width(tmp_path: Path) -> None:
+    """``dense_columns=[]`` (a model of ids only) failed at the first batch with NumPy's bare
+    "need at least one array to stack"."""
+    pq.write_table(pa.table({"a": [1, 2, 3], "label": [0, 1, 0]}), tmp_path / "p.parquet")
+    data = ParquetClickData(str(tmp_path), [], ["a"], "label", batch_size=3)
+    batch = next(iter(data.train_dataloader()))
+    assert batch.dense_features.shape == (3, 0) and batch.dense_features.dtype == torch.float32
+    assert batch.sparse_features["a"].values().tolist() == [1, 2, 3]
+
+
+def test_a_file_named_with_glob_characters_is_found(tmp_path: Path) -> None:
+    """``clicks[2024].parquet`` was taken for a glob pattern (matching ``clicks2.parquet``...),
+    so the existing file was refused: 'no Parquet files at ...'."""
+    table = pa.table({"d0": [1.0, 2.0], "a": [1, 2], "label": [0, 1]})
+    pq.write_table(table, tmp_path / "clicks[2024].parquet")
+    data = ParquetClickData(
+        str(tmp_path / "clicks[2024].parquet"), ["d0"], ["a"], "label", batch_size=2
+    )
+    assert len(data.train_dataloader()) == 1
+    pq.write_table(table, tmp_path / "p1.parquet")
+    assert expand_paths(str(tmp_path / "p[0-9].parquet")) == [tmp_path / "p1.parquet"]

@@ -46,6 +46,7 @@ from lightning_torchrec.data.criteo_files import (
     NPY_KINDS,
     parse_tsv,
     preprocess,
+    remove_other_days,
     table_sizes_array,
 )
 from lightning_torchrec.data.criteo_ids import check_raw_days, raw_ids_of, reduced_ids_of
@@ -240,6 +241,9 @@ class CriteoDataModule(ResumableDataModule):
     def prepare_data(self) -> None:
         """Preprocesses TSV files into ``cache_dir`` unless npy days are there already.
 
+        A new conversion (other files, sizes or ``rows_per_file``) removes the cache's days it
+        does not write: left there, they would be read as training and validation days.
+
         Raises:
             FileNotFoundError: if ``path`` has neither npy days nor Criteo TSV files.
         """
@@ -261,7 +265,8 @@ class CriteoDataModule(ResumableDataModule):
             return
         # Raw ids (int64) are kept: the reader takes them modulo the table sizes, so one
         # preprocessing serves any table sizes.
-        preprocess(tsv, self.cache_dir, None, rows_per_file=self.rows_per_file)
+        written = preprocess(tsv, self.cache_dir, None, rows_per_file=self.rows_per_file)
+        remove_other_days(self.cache_dir, written)  # an earlier conversion's extra days
         marker.write_text(json.dumps(settings))
 
     def _days(self) -> list[Path]:

@@ -285,6 +285,31 @@ class _NpyWriter:
             )
 
 
+def remove_other_days(out_dir: Path, written: Sequence[Path]) -> list[Path]:
+    """Removes the npy days of ``out_dir`` that a preprocessing did not write.
+
+    Such days are left by an earlier preprocessing of other inputs or ``rows_per_file``: a
+    reader of the directory would take them for training days, and the last for the
+    validation day.
+
+    Args:
+        out_dir: the preprocessing's output directory.
+        written: the stems it wrote (:func:`preprocess`'s result).
+
+    Returns:
+        The files removed.
+    """
+    keep = {f"{Path(stem).name}_{kind}.npy" for stem in written for kind in NPY_KINDS}
+    stale = [
+        f
+        for f in sorted(out_dir.glob("day_*.npy"))
+        if re.fullmatch(r"day_\d+_(dense|sparse|labels)\.npy", f.name) and f.name not in keep
+    ]
+    for f in stale:
+        f.unlink()
+    return stale
+
+
 def preprocess(
     in_files: Sequence[str | Path],
     out_dir: str | Path,

@@ -46,6 +46,8 @@ __all__ = ["ParquetClickData", "ParquetClickDataset", "expand_paths"]
 def expand_paths(paths: str | Sequence[str]) -> list[Path]:
     """Parquet files from files, directories (their ``*.parquet``, sorted) and glob patterns.
 
+    A path that exists is taken as it is, even when its name holds ``*``, ``?`` or ``[``.
+
     Args:
         paths: one path or pattern, or several.
 
@@ -60,10 +62,12 @@ def expand_paths(paths: str | Sequence[str]) -> list[Path]:
         path = Path(p)
         if path.is_dir():
             found = sorted(path.glob("*.parquet"))
+        elif path.exists():  # a file named with glob characters ("clicks[2024].parquet")
+            found = [path]
         elif any(c in str(p) for c in "*?["):
             found = sorted(Path(f) for f in glob.glob(str(p)))
         else:
-            found = [path] if path.exists() else []
+            found = []
         if not found:
             raise FileNotFoundError(f"no Parquet files at {p}")
         files.extend(found)
@@ -88,8 +92,9 @@ class ParquetClickDataset(ResumableIterableDataset):
 
     Raises:
         ValueError: naming the file and column, for a missing column or one of the wrong type,
-            when the files have fewer rows than one batch per reader, or for a table size or
-            batch size below 1.
+            naming the file for one that is not Parquet (or is truncated), when the files have
+            fewer rows than one batch per reader, or for a table size or batch size below 1.
+            A row group that cannot be read fails when it is read, naming the file and group.
     """
 
     def __init__(
@@ -130,7 +135,10 @@ class ParquetClickDataset(ResumableIterableDataset):
         # A sparse column is read as bags (jagged) if any file holds it as lists.
         self.bags = [False] * len(self.sparse_columns)
         for i, path in enumerate(self.files):
-            meta = pq.read_metadata(path)
+            try:
+                meta = pq.read_metadata(path)
+            except (pa.ArrowException, OSError) as e:  # pyarrow's messages name no file
+                raise ValueError(f"{path}: not a readable Parquet file: {e}") from e
             schema = meta.schema.to_arrow_schema()
             check_schema(
                 path, schema, self.dense_columns, self.sparse_columns, label_column, weight_column
@@ -194,8 +202,10 @@ class ParquetClickDataset(ResumableIterableDataset):
 
     def _batch(self, rows: pa.Table) -> Batch:
         """The batch of rows made by :meth:`_normalise`."""
-        # np.stack copies the columns into one writable [batch, dense] array.
-        dense = np.stack([number_column(rows.column(c)).to_numpy() for c in self.dense_columns], 1)
+        # np.stack copies the columns into one writable [batch, dense] array ([batch, 0] for a
+        # model of sparse features only: np.stack of no column fails).
+        columns = [number_column(rows.column(c)).to_numpy() for c in self.dense_columns]
+        dense = np.stack(columns, 1) if columns else np.zeros((rows.num_rows, 0), np.float32)
         ids = [bag_values(rows.column(c)) for c in self.sparse_columns]
         weights = number_tensor(rows.column(self.weight_column)) if self.weight_column else None
         return Batch(
@@ -228,10 +238,14 @@ class ParquetClickDataset(ResumableIterableDataset):
             if to_skip >= rows:  # never read a row group the resumed run skips whole
                 to_skip -= rows
                 continue
-            if file_index not in opened:
-                opened.clear()
-                opened[file_index] = pq.ParquetFile(self.files[file_index])
-            table = opened[file_index].read_row_group(group, columns=self.columns())
+            try:
+                if file_index not in opened:
+                    opened.clear()
+                    opened[file_index] = pq.ParquetFile(self.files[file_index])
+                table = opened[file_index].read_row_group(group, columns=self.columns())
+            except (pa.ArrowException, OSError) as e:  # a corrupt page: name the row group
+                where = f"{self.files[file_index]} (row group {group})"
+                raise ValueError(f"{where}: cannot be read: {e}") from e
             if to_skip:
                 table, to_skip = table.slice(to_skip), 0
             # One schema for every file's rows: a batch may span two files.

@@ -163,13 +163,17 @@ def bag_values(array: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
 def number_column(array: pa.ChunkedArray) -> pa.Array:
     """A number column as one float32 array without nulls (null is 0).
 
+    Integers are rounded to the nearest float32, as ``torch.tensor(ids).float()`` would: Arrow's
+    default (safe) cast refuses any integer above ``2**24`` that float32 cannot hold exactly (a
+    count or a timestamp feature), with an error naming neither the file nor the column.
+
     Args:
         array: the column.
 
     Returns:
         The float32 array.
     """
-    return pc.fill_null(array.cast(pa.float32()), 0.0).combine_chunks()
+    return pc.fill_null(array.cast(pa.float32(), safe=False), 0.0).combine_chunks()
 
 
 def number_tensor(array: pa.ChunkedArray) -> torch.Tensor:

@@ -97,6 +97,32 @@ def resume_position(trainer: Any) -> int | None:
     return 0
 
 
+def restart_epoch_at(trainer: Any, batches: int) -> None:
+    """Makes a fit loop restored within an epoch count ``batches`` of it as trained.
+
+    A run resumed from a checkpoint written under another layout (another world size) skips
+    another count of batches than the checkpoint's ranks trained: ``k`` batches per rank on
+    ``W`` ranks are ``k * W / W'`` on ``W'``. Lightning restores its count of the epoch's batches
+    (``k``) and ends the epoch when that count reaches ``num_training_batches``; left at ``k``
+    when the loader skipped fewer, it would stop before the loader's last ``k - k * W / W'``
+    batches, which no rank would ever train. Call it after the checkpoint's loop state is
+    restored and before the epoch's loop starts (when the training loader is made or restored).
+
+    Args:
+        trainer: the Lightning Trainer, its loops restored from the checkpoint (None: no
+            loop to tell).
+        batches: the batches of the epoch this run's loader skips.
+    """
+    if trainer is None:
+        return
+    current = trainer.fit_loop.epoch_loop.batch_progress.current
+    # Saved at a batch's end, the last batch is processed but not completed: Lightning completes
+    # it when the epoch's loop restarts. The same lag keeps that step right.
+    behind = current.processed - current.completed
+    current.ready = current.started = current.processed = batches
+    current.completed = batches - behind
+
+
 class ResumableIterableDataset(IterableDataset):
     """Base of the streaming datasets: the number of batches to skip at the next iteration.
 
@@ -153,6 +179,10 @@ class ResumableDataLoader(DataLoader):
         position: returns the batches of the current epoch the training step consumed (the
             data modules pass the fit loop's count), or None when it cannot tell; without it
             (or when it returns None) the loader counts the batches it yielded.
+        restart: called with the batches the resumed epoch skips when a checkpoint of another
+            layout makes them another count than the checkpoint's (the data modules pass
+            :func:`restart_epoch_at`, so that the fit loop counts the same and trains the
+            epoch's last batches).
         **kwargs: passed to ``DataLoader`` (``num_workers``, ``pin_memory``, ...).
 
     Raises:
@@ -163,6 +193,7 @@ class ResumableDataLoader(DataLoader):
         self,
         dataset: ResumableIterableDataset,
         position: Callable[[], int | None] | None = None,
+        restart: Callable[[int], None] | None = None,
         **kwargs: Any,
     ) -> None:
         if not isinstance(dataset, ResumableIterableDataset):
@@ -174,6 +205,7 @@ class ResumableDataLoader(DataLoader):
         kwargs["persistent_workers"] = False
         super().__init__(dataset, **kwargs)
         self.position = position
+        self.restart = restart
         self.skip_next = 0
         self.yielded = 0
 
@@ -209,7 +241,8 @@ class ResumableDataLoader(DataLoader):
         dataset's cannot resume exactly: its batches come in another order. It skips as many
         rows as were trained on (``start * world_size * batch_size`` of the saved layout,
         divided by this one's), with a warning naming the change, as the strategy carries a
-        map-style loader's position to another world size.
+        map-style loader's position to another world size. Under the same layout, an epoch
+        of another length than the saved one (files added or removed since) warns too.
 
         Args:
             state: from :meth:`state_dict`.
@@ -233,6 +266,17 @@ class ResumableDataLoader(DataLoader):
                     "but not the same rows (some of the epoch may be trained twice, some not "
                     "at all). Resume with the same ranks, DataLoader workers and batch size, or "
                     "from a checkpoint written at an epoch's end, for an exact resume."
+                )
+                if self.restart is not None and start < len(self):
+                    self.restart(start)
+            elif int(state.get("epoch_batches", len(self))) != len(self):
+                rank_zero_warn(
+                    f"{type(self.dataset).__name__} resumes mid-epoch after {start} batches of "
+                    f"an epoch of {state['epoch_batches']}, but its files now give "
+                    f"{len(self)} batches per epoch (files added, removed or rewritten since "
+                    "the checkpoint): the batches it skips are not those trained on (some of "
+                    "the epoch may be trained twice, some not at all). Resume with the same "
+                    "data, or from a checkpoint written at an epoch's end, for an exact resume."
                 )
         self.skip_next = start if start < len(self) else 0
 
@@ -292,6 +336,7 @@ class ResumableDataModule(LightningDataModule):
         return ResumableDataLoader(
             self.dataset("train", self.num_workers),
             position=lambda: resume_position(self.trainer),
+            restart=lambda batches: restart_epoch_at(self.trainer, batches),
             num_workers=self.num_workers,
         )
 

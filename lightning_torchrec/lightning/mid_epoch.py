@@ -21,7 +21,7 @@ from lightning_torchrec.compat.lightning import epoch_running, processed_epochs
 from lightning_torchrec.compat.lightning_loops import reopen_cut_epoch, start_next_epoch
 from lightning_torchrec.compat.upstream import drop_persistent_iterator
 from lightning_torchrec.data.mid_epoch import skip_batches
-from lightning_torchrec.data.resumable import trainer_position
+from lightning_torchrec.data.resumable import restart_epoch_at, trainer_position
 
 log = logging.getLogger(__name__)
 
@@ -181,8 +181,10 @@ def resume_in_epoch(loader: Any, position: dict[str, int], trainer: Any, warn: b
     if skip_batches(loader, count):
         drop_persistent_iterator(loader)  # a loader fitted before keeps its old sampler there
         log.info("resuming epoch %d after its first %d batches", position["epoch"], count)
-        if warn and "saved_world_size" in position:
-            warnings.warn(_rescaled_warning(position), UserWarning, stacklevel=2)
+        if "saved_world_size" in position:
+            restart_epoch_at(trainer, count)  # the loop counts what the sampler skips
+            if warn:
+                warnings.warn(_rescaled_warning(position), UserWarning, stacklevel=2)
         return True
     if warn:
         warnings.warn(
