@@ -1,10 +1,15 @@
-"""Lightning's per-step work in automatic optimization, trimmed where it changes nothing.
+"""Lightning's step loop (lightning 2.0+): where a step stands, and its per-step work trimmed.
 
-Two pieces of ``_TrainingEpochLoop`` (lightning 2.0+) run at every training step and do the same
-work each time: reading ``training_step``'s signature, and dividing the step's loss by
-``accumulate_grad_batches`` when that is 1. Both are replaced here on the Trainer's own loop
-objects, for one fit (the undo restores Lightning's), with results equal to Lightning's: the
-same keyword arguments, the same loss and gradients bit for bit.
+What the strategy reads of the running loop at each step: the batch's index and whether it is
+the loader's last (:func:`batch_index`, :func:`is_last_batch`, the same for a step hook that
+takes no ``batch_idx``), and whether a step got Lightning's ``dataloader_iter`` instead of a
+batch (:func:`is_dataloader_iter`).
+
+Two pieces of ``_TrainingEpochLoop`` run at every training step and do the same work each time:
+reading ``training_step``'s signature, and dividing the step's loss by
+``accumulate_grad_batches`` when that is 1. Both are replaced on the Trainer's own loop objects
+(:func:`lighter_training_step`), for one fit (the undo restores Lightning's), with results equal
+to Lightning's: the same keyword arguments, the same loss and gradients bit for bit.
 """
 
 from __future__ import annotations
