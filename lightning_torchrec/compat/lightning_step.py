@@ -1,7 +1,7 @@
 """Lightning's step loop (lightning 2.0+): where a step stands, and its per-step work trimmed.
 
 What the strategy reads of the running loop at each step: the batch's index and whether it is
-the loader's last (:func:`batch_index`, :func:`is_last_batch`, the same for a step hook that
+the loader's last (:func:`batch_position`, :func:`is_last_batch`, the same for a step hook that
 takes no ``batch_idx``), and whether a step got Lightning's ``dataloader_iter`` instead of a
 batch (:func:`is_dataloader_iter`).
 
@@ -23,7 +23,7 @@ from lightning.pytorch.loops.optimization.automatic import ClosureResult
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor
 
-__all__ = ["batch_index", "is_dataloader_iter", "is_last_batch", "lighter_training_step"]
+__all__ = ["batch_position", "is_dataloader_iter", "is_last_batch", "lighter_training_step"]
 
 
 def _running_loop(trainer: Any) -> Any:
@@ -52,21 +52,22 @@ def is_last_batch(trainer: Any) -> bool:
     return bool(_running_loop(trainer).batch_progress.is_last_batch)
 
 
-def batch_index(trainer: Any) -> int:
-    """The index of the running step's batch among the batches its loop ran in this epoch.
+def batch_position(trainer: Any) -> tuple[int, bool]:
+    """The running step's batch: its index in the epoch, and whether it is the loader's last.
 
-    Lightning's own count (``batch_progress``, lightning 2.0+), taken before the step runs and
-    kept across a mid-epoch resume; in training, the ``batch_idx`` Lightning passes, also to a
-    ``training_step(self, batch)`` that takes none (an evaluation loop counts across its
-    dataloaders).
+    Both from one read of the running loop's ``batch_progress`` (lightning 2.0+), taken before
+    the step runs and kept across a mid-epoch resume. In training the index is the
+    ``batch_idx`` Lightning passes, also to a ``training_step(self, batch)`` that takes none (an
+    evaluation loop counts across its dataloaders); the flag is :func:`is_last_batch`'s.
 
     Args:
         trainer: the Trainer, inside a training, validation, test or predict step.
 
     Returns:
-        The batch's index.
+        ``(index, last)``.
     """
-    return int(_running_loop(trainer).batch_progress.current.ready) - 1
+    progress = _running_loop(trainer).batch_progress
+    return int(progress.current.ready) - 1, bool(progress.is_last_batch)
 
 
 def is_dataloader_iter(batch: Any) -> bool:

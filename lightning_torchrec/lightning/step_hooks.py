@@ -24,7 +24,7 @@ from lightning_torchrec.compat.lightning_ddp import (
     flush_first_static_backward,
     prepare_manual_backward,
 )
-from lightning_torchrec.compat.lightning_step import batch_index, is_dataloader_iter, is_last_batch
+from lightning_torchrec.compat.lightning_step import batch_position, is_dataloader_iter
 from lightning_torchrec.compat.lightning_toggle import toggle_leaving
 from lightning_torchrec.distributed import peer_failure, run_collective
 from lightning_torchrec.errors import PeerFailureError, StopRequested
@@ -229,8 +229,8 @@ class StepHooks:
         trainer = self.lightning_module.trainer
         self._check_accumulation(trainer)
         # Lightning's own index: a `training_step(self, batch)` gets none in `args`.
-        step, batch_idx = trainer.global_step, batch_index(trainer)
-        last = is_last_batch(trainer) or batch_idx + 1 >= trainer.num_training_batches
+        step, (batch_idx, last) = trainer.global_step, batch_position(trainer)
+        last = last or batch_idx + 1 >= trainer.num_training_batches
         last = last or 0 < trainer.max_steps <= step + 1
         batch = args[0] if args else kwargs.pop("batch")
         self._refuse_dataloader_iter(batch, "training_step", self._runner.training)
@@ -275,8 +275,8 @@ class StepHooks:
         assert self._runner is not None
         trainer = self.lightning_module.trainer
         # A step that takes no `batch_idx` gets `(batch,)`: count as Lightning does.
-        batch_idx = int(args[1]) if len(args) > 1 else kwargs.get("batch_idx", batch_index(trainer))
-        last = is_last_batch(trainer)
+        index, last = batch_position(trainer)
+        batch_idx = int(args[1]) if len(args) > 1 else kwargs.get("batch_idx", index)
         batch = args[0] if args else kwargs.pop("batch")
         self._refuse_dataloader_iter(batch, step_fn.__name__, self._runner.evaluation)
 
