@@ -23,10 +23,10 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_torchrec import DLRMClickModule, SyntheticClickData, TorchRecStrategy
 from lightning_torchrec.errors import BatchValidationError
-from lightning_torchrec.lightning.step_hooks import votes_ahead
-from lightning_torchrec.lightning.trainer_setup import BATCH_HOOKS, batch_hooks, pipeline_for
+from lightning_torchrec.lightning.trainer_setup import BATCH_HOOKS, accumulation, batch_hooks
 from lightning_torchrec.training.pipelines import PipelineConfig
 from lightning_torchrec.training.step_runner import StepRunner
+from lightning_torchrec.training.steps import StepMode, choose_mode
 from tests.helpers import assert_same, load_ranks, run_script
 from tests.scripts.factory import ROWS, cpu_trainer, table_wise, tiny_data, tiny_dlrm
 
@@ -120,6 +120,23 @@ def fit_settings(module: Any, datamodule: Any = None, **kwargs: Any) -> SimpleNa
     return SimpleNamespace(lightning_module=module, datamodule=datamodule, **(defaults | kwargs))
 
 
+def pipeline_for(
+    config: PipelineConfig, device: torch.device, fit: Any, fitting: bool, ahead: bool = False
+) -> str | None:
+    """The pipeline the strategy's one decision gives a fit with ``fit``'s settings."""
+    hooks, accumulates = batch_hooks(fit), accumulation(fit)
+    world = {"world_size": 2, "vote_ahead": True} if ahead else {}
+    return choose_mode(
+        config, device, fitting=fitting, hooks=hooks, accumulation=accumulates, **world
+    ).pipeline
+
+
+def votes_ahead(fit: Any) -> bool:
+    auto = PipelineConfig.parse("auto", None)
+    hooks = batch_hooks(fit)
+    return choose_mode(auto, CPU, world_size=2, vote_ahead=True, hooks=hooks).ahead
+
+
 @pytest.mark.parametrize("cls", [AfterTransfer, Transfer, BeforeTransfer])
 def test_auto_trains_without_a_pipeline_for_a_hooked_module(
     cls: type, caplog: pytest.LogCaptureFixture
@@ -132,8 +149,8 @@ def test_auto_trains_without_a_pipeline_for_a_hooked_module(
     hooked = fit_settings(tiny_dlrm(cls=cls))
     (hook,) = [h for h in BATCH_HOOKS if h in cls.__dict__]
     assert batch_hooks(hooked) == [f"{cls.__name__}.{hook}"]
-    assert not votes_ahead(True, 2, hooked)
-    with caplog.at_level(logging.INFO, logger="lightning_torchrec.lightning.trainer_setup"):
+    assert votes_ahead(plain) and not votes_ahead(hooked)
+    with caplog.at_level(logging.INFO, logger="lightning_torchrec.training.steps"):
         assert pipeline_for(auto, CPU, hooked, True, ahead=True) is None
         assert pipeline_for(auto, CUDA, hooked, False) is None  # evaluation too
     assert f"pipeline='auto' trains without a pipeline: {cls.__name__}.{hook}" in caplog.text
@@ -160,11 +177,11 @@ def test_a_named_pipeline_with_a_batch_hook_is_refused_naming_it(pipeline: str) 
 
 def test_a_transformed_runner_checks_the_steps_own_batch() -> None:
     def runner(**kwargs: Any) -> StepRunner:
-        return StepRunner(
-            torch.nn.Linear(1, 1), CPU, specs={}, dense_width=None, vote_ahead=True, **kwargs
-        )
+        return StepRunner(torch.nn.Linear(1, 1), CPU, specs={}, dense_width=None, **kwargs)
 
-    plain, hooked = runner(), runner(transformed=True)
+    plain, hooked = runner(mode=StepMode(ahead=True)), runner(transformed=True)
+    plain.start_fit()
+    hooked.start_fit()
     assert plain.vote_ahead and plain.guard.token
     assert not hooked.vote_ahead and hooked.guard.token is None  # no worker verdict trusted
     loader = torch.utils.data.DataLoader(range(4), num_workers=1)
@@ -174,8 +191,9 @@ def test_a_transformed_runner_checks_the_steps_own_batch() -> None:
     assert hooked.hold("host batch", True) is False and hooked._checked("step batch") == (
         "step batch"
     )
-    with pytest.raises(ValueError, match="use None"):
-        runner(transformed=True, pipeline="sparse_dist")
+    for mode in (StepMode("sparse_dist"), StepMode(ahead=True)):
+        with pytest.raises(ValueError, match="use pipeline=None without the vote ahead"):
+            runner(transformed=True, mode=mode)
 
 
 def accumulating(strategy: TorchRecStrategy, *callbacks: Callback) -> L.Trainer:

@@ -22,7 +22,9 @@ from lightning_torchrec.architecture import (
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_torchrec"
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 LAYER = {layer.name: layer for layer in LAYERS}
-MAX_LINES = 400
+#: Modules are cut by concept, not by size (a strategy class reads best whole, as Lightning's
+#: ~700-line strategies do); past this a module surely holds more than one concept.
+MAX_LINES = 1000
 
 
 def _name(path: Path) -> str:
@@ -252,9 +254,12 @@ def test_compat_holds_the_private_names_it_documents() -> None:
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
-def test_files_stay_readable(module: str) -> None:
+def test_each_module_states_its_one_concept(module: str) -> None:
+    docstring = ast.get_docstring(TREES[module])
+    assert docstring, f"{module} has no docstring saying what it holds"
+    assert docstring.splitlines()[0].strip(), f"{module}'s docstring starts with a blank line"
     lines = len(MODULES[module].read_text().splitlines())
-    assert lines <= MAX_LINES, f"{module} has {lines} lines; split it by concept"
+    assert lines <= MAX_LINES, f"{module} has {lines} lines: it holds more than one concept"
 
 
 def test_docs_show_the_generated_table() -> None:

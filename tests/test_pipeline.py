@@ -125,7 +125,7 @@ def test_a_model_the_pipeline_cannot_trace_trains_unpipelined() -> None:
     ):
         trainer.fit(model, datamodule=tiny_data())
     assert trainer.global_step == 3
-    assert strategy._runner.training is None
+    assert strategy._runner.step.pipeline is None
 
 
 def test_semi_sync_refuses_tables_the_dense_optimizer_updates_naming_them() -> None:
@@ -206,7 +206,7 @@ def test_a_model_calling_a_sharded_module_twice_trains_unpipelined() -> None:
         else:
             with pytest.warns(UserWarning, match="called twice per forward"):
                 trainer.fit(model, train_dataloaders=loader)
-            assert strategy._runner.training is None  # dropped after the first step
+            assert strategy._runner.step.pipeline is None  # dropped after the first step
             with pytest.warns(UserWarning, match="called twice per forward"):  # evaluation's
                 (validated,) = trainer.validate(model, DataLoader(_two_tower_batches(2), None))
             assert validated["val_loss"] > 0

@@ -14,15 +14,12 @@ from torch import nn
 
 from lightning_torchrec import DLRMClickModule, TorchRecStrategy
 from lightning_torchrec.errors import NonFiniteLossError
-from lightning_torchrec.lightning.step_hooks import votes_ahead
+from lightning_torchrec.lightning.trainer_setup import batch_hooks
 from lightning_torchrec.sharding.features import FeatureSpec
 from lightning_torchrec.training.pipeline_feed import Peek, Split
-from lightning_torchrec.training.pipelines import (
-    SEMI_SYNC_START_BATCH,
-    PipelineConfig,
-    resolve_pipeline,
-)
+from lightning_torchrec.training.pipelines import SEMI_SYNC_START_BATCH, PipelineConfig
 from lightning_torchrec.training.step_runner import StepRunner
+from lightning_torchrec.training.steps import StepMode, UnpipelinedStep, choose_mode
 from tests.scripts.factory import cpu_trainer, table_wise, tiny_data, tiny_dlrm
 
 
@@ -38,15 +35,28 @@ def test_pipeline_options_are_parsed_once_with_their_defaults() -> None:
 
 def test_auto_is_sparse_dist_where_it_is_faster(caplog: pytest.LogCaptureFixture) -> None:
     auto = PipelineConfig.parse("auto", None)
-    assert resolve_pipeline(auto, torch.device("cpu"), None) is None  # one rank, or voting now
-    assert resolve_pipeline(auto, torch.device("cpu"), None, ahead=True) == "sparse_dist"
-    assert resolve_pipeline(auto, torch.device("cpu"), "gradient accumulation", True) is None
-    assert resolve_pipeline(auto, torch.device("cuda", 0), None) == "sparse_dist"
-    with caplog.at_level(logging.INFO, logger="lightning_torchrec.training.pipelines"):
-        assert resolve_pipeline(auto, torch.device("cuda", 0), "gradient accumulation") is None
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert choose_mode(auto, cpu) == StepMode(None, False, SEMI_SYNC_START_BATCH, asked=False)
+    ahead = {"world_size": 2, "vote_ahead": True}
+    assert choose_mode(auto, cpu, **ahead) == StepMode("sparse_dist", True, 900, asked=False)
+    assert choose_mode(auto, cpu, **ahead, fitting=False).pipeline is None  # evaluation only
+    accumulating = choose_mode(auto, cpu, **ahead, accumulation=(2, "a"))
+    assert accumulating == StepMode(None, True, 900, False)
+    assert choose_mode(auto, cuda) == StepMode("sparse_dist", False, 900, asked=False)
+    with caplog.at_level(logging.INFO, logger="lightning_torchrec.training.steps"):
+        assert choose_mode(auto, cuda, accumulation=(2, "a")).pipeline is None
     assert "pipeline='auto' trains without a pipeline: gradient accumulation" in caplog.text
     named = PipelineConfig.parse("sparse_dist", None)
-    assert resolve_pipeline(named, torch.device("cpu"), None) == "sparse_dist"
+    assert choose_mode(named, cpu) == StepMode("sparse_dist", False, 900, asked=True)
+    with pytest.raises(ValueError, match="cannot combine with a train pipeline"):
+        choose_mode(named, cpu, accumulation=(2, "accumulate_grad_batches=2"))
+    assert choose_mode(named, cpu, fitting=False, accumulation=(2, "a")).pipeline == "sparse_dist"
+    # A batch checked on its device a step later cannot be voted on ahead of its step; the
+    # batches a pipeline sends early are read on the host, so a pipelined step still can.
+    plain = PipelineConfig.parse(None, None)
+    assert not choose_mode(plain, cuda, **ahead, deferred=True).ahead
+    assert choose_mode(plain, cuda, **ahead).ahead
+    assert choose_mode(named, cuda, **ahead, deferred=True).ahead
 
 
 def test_the_default_strategy_trains_unpipelined_on_cpu_with_a_complete_runner() -> None:
@@ -55,7 +65,7 @@ def test_the_default_strategy_trains_unpipelined_on_cpu_with_a_complete_runner()
     trainer = cpu_trainer(strategy, max_steps=3, accumulate_grad_batches=1)
     trainer.fit(tiny_dlrm(), datamodule=tiny_data())
     runner = strategy._runner
-    assert strategy.pipeline_in_use is None and runner.training is None
+    assert strategy.pipeline_in_use is None and type(runner.step) is UnpipelinedStep
     assert runner.guard.specs and runner.guard.token  # built complete at setup
     strategy.validate_batches = 5
     assert runner.guard.validate_batches == 5  # the setting reaches the running guard
@@ -132,6 +142,11 @@ def test_the_vote_runs_ahead_only_where_the_step_checks_the_loaders_own_batch() 
         def on_before_batch_transfer(self, batch: object, dataloader_idx: int) -> object:
             return batch
 
+    def votes_ahead(asked: bool, world_size: int, fit: Fit) -> bool:
+        auto, cpu = PipelineConfig.parse("auto", None), torch.device("cpu")
+        hooks = batch_hooks(fit)
+        return choose_mode(auto, cpu, world_size=world_size, vote_ahead=asked, hooks=hooks).ahead
+
     plain = tiny_dlrm()
     assert votes_ahead(True, 2, Fit(plain))
     assert not votes_ahead(False, 2, Fit(plain)) and not votes_ahead(True, 1, Fit(plain))
@@ -146,15 +161,17 @@ def test_a_second_training_loader_puts_the_vote_back_before_the_forward() -> Non
             specs={},
             dense_width=None,
             validate_batches=False,
-            vote_ahead=True,
+            mode=StepMode(ahead=True),
         )
 
     one = runner()
+    one.start_fit()
     feed = one.feed([1, 2, 3], True)
     assert list(feed) == [1, 2, 3] and one.vote_ahead
-    one._stepped = True  # a step ran: the next iterator is the next epoch's
+    one.step._stepped = True  # a step ran: the next iterator is the next epoch's
     assert list(feed) == [1, 2, 3] and one.vote_ahead
     two = runner()
+    two.start_fit()
     first, second = two.feed([1, 2], True), two.feed([3, 4], True)
     assert list(zip(first, second, strict=True)) == [(1, 3), (2, 4)]  # as Lightning combines
     assert not two.vote_ahead
@@ -184,8 +201,9 @@ def test_on_cuda_the_vote_ahead_carries_the_previous_steps_loss() -> None:
             dense_width=None,
             validate_batches=False,
             batch_checks="before_forward",
-            vote_ahead=True,
+            mode=StepMode(ahead=True),
         )
+        runner.start_fit()
         losses = [torch.tensor(0.5), torch.tensor(float("nan")), torch.tensor(0.5)]
         step = -1
         with pytest.raises(NonFiniteLossError, match="at global step 1 "):

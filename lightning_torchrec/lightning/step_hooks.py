@@ -30,17 +30,17 @@ from lightning_torchrec.distributed import peer_failure, run_collective
 from lightning_torchrec.errors import PeerFailureError, StopRequested
 from lightning_torchrec.failure_reports import begin_run, post, post_stop
 from lightning_torchrec.lightning.checkpoint_hooks import attached_trainer
-from lightning_torchrec.lightning.trainer_setup import batch_hooks, check_accumulation
 from lightning_torchrec.sharding.sharders import has_fused_tables
 from lightning_torchrec.training.optim import DenseAndFusedOptimizer
 from lightning_torchrec.training.step_runner import StepRunner
+from lightning_torchrec.training.steps import check_accumulation
 
 
 class StepVote(Callback):
     """Decides, after each training step, the vote on the next step that ran during it.
 
     ``TorchRecStrategy`` puts it last among the Trainer's callbacks for a fit whose steps vote
-    ahead (:class:`~lightning_torchrec.training.step_runner.StepRunner`'s ``vote_ahead``), and
+    ahead (:class:`~lightning_torchrec.training.steps.StepMode`'s ``ahead``), and
     takes it out at teardown: every rank decides the vote at the same point, after the step's
     update and after the other callbacks (a checkpoint of this step is written even when the
     next batch is bad), and stops there together when it says so.
@@ -59,26 +59,6 @@ class StepVote(Callback):
         except StopRequested:
             # Every rank stops after the same step, as after Lightning's own SIGTERM broadcast.
             raise SIGTERMException() from None
-
-
-def votes_ahead(asked: bool, world_size: int, trainer: Any) -> bool:
-    """Whether a fit's steps may vote ahead (``TorchRecStrategy(vote_ahead=...)``).
-
-    The vote ahead checks the next batch as the loader made it; the step checks the batch it
-    trains on. They are the same unless the LightningModule or the DataModule overrides a batch
-    hook (``on_before_batch_transfer``, ``transfer_batch_to_device``,
-    ``on_after_batch_transfer``; :func:`~lightning_torchrec.lightning.trainer_setup.batch_hooks`):
-    then the vote stays before each forward.
-
-    Args:
-        asked: the strategy's ``vote_ahead``.
-        world_size: the number of ranks (one rank has no vote).
-        trainer: the Trainer about to fit.
-
-    Returns:
-        True when the vote may run ahead.
-    """
-    return asked and world_size > 1 and not batch_hooks(trainer)
 
 
 def take_over_step_votes(trainer: Any, runner: StepRunner) -> Any:
@@ -233,7 +213,7 @@ class StepHooks:
         last = last or batch_idx + 1 >= trainer.num_training_batches
         last = last or 0 < trainer.max_steps <= step + 1
         batch = args[0] if args else kwargs.pop("batch")
-        self._refuse_dataloader_iter(batch, "training_step", self._runner.training)
+        self._refuse_dataloader_iter(batch, "training_step", self._runner.step.pipeline)
         parent = super()
 
         def run(device_batch: Any) -> Any:
@@ -317,11 +297,8 @@ class StepHooks:
         if not self.lightning_module.automatic_optimization:  # see `__init__`
             self._flushed = flush_first_static_backward(self.model, self._flushed)
         super().post_backward(closure_loss)
-        runner = self._runner
-        if runner is None or not runner.updates_after_backward:
-            return
-        if self.lightning_module.trainer.training:
-            runner.after_backward()  # semi-sync: the tables' update of this batch
+        if self._runner is not None and self.lightning_module.trainer.training:
+            self._runner.after_backward()  # semi-sync: the tables' update of this batch
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:

@@ -36,22 +36,24 @@ from lightning_torchrec.distributed import init_elastic_group, shutdown_at_exit
 from lightning_torchrec.lightning.checkpoint_hooks import ShardedCheckpointing
 from lightning_torchrec.lightning.data_hooks import DataHooks
 from lightning_torchrec.lightning.preemption import add_slurm_requeue
-from lightning_torchrec.lightning.step_hooks import StepHooks, take_over_step_votes, votes_ahead
+from lightning_torchrec.lightning.step_hooks import StepHooks, take_over_step_votes
 from lightning_torchrec.lightning.trainer_setup import (
+    accumulation,
     adapt_trainer_defaults,
     batch_hooks,
     check_fit,
     check_setup,
     check_sync_batchnorm,
     log_plan,
-    pipeline_for,
 )
 from lightning_torchrec.sharding.plan_summary import PlanSummary
 from lightning_torchrec.sharding.planning import ShardingConfig, shard_model
+from lightning_torchrec.training.device_checks import judged_next_step
 from lightning_torchrec.training.optim import combine_with_schedulers, keyed_further
 from lightning_torchrec.training.pipelines import PipelineConfig
 from lightning_torchrec.training.step_guard import StepGuard
 from lightning_torchrec.training.step_runner import BATCH_CHECKS, StepRunner
+from lightning_torchrec.training.steps import choose_mode
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +230,7 @@ class TorchRecStrategy(
     @property
     def pipeline_in_use(self) -> str | None:
         """The pipeline the current (or last) run trains with, after ``"auto"`` was resolved."""
-        return self._runner.pipeline if self._runner is not None else None
+        return self._runner.step.pipeline if self._runner is not None else None
 
     @property
     def sharding_plan(self) -> ShardingPlan | None:
@@ -319,10 +321,19 @@ class TorchRecStrategy(
         self._dmp, self._plan, self.plan_summary = sharded.dmp, sharded.plan, sharded.summary
         if first and self.log_plan and self.is_global_zero:
             log_plan(sharded.summary, trainer.loggers)
-        ahead = fitting and votes_ahead(self.vote_ahead, self.world_size, trainer)
-        pipeline = pipeline_for(self.pipeline_config, self.root_device, trainer, fitting, ahead)
-        if fitting:
-            check_fit(trainer, sharded.plan, self.allow_fused_gradient_accumulation)
+        hooks = batch_hooks(trainer)
+        mode = choose_mode(  # the one decision of how training steps run: pipeline, vote ahead
+            self.pipeline_config,
+            self.root_device,
+            world_size=self.world_size,
+            vote_ahead=self.vote_ahead,
+            fitting=fitting,
+            hooks=hooks,
+            accumulation=accumulation(trainer),
+            deferred=judged_next_step(
+                self.batch_checks, self.root_device, sharded.feature_specs, sharded.dmp
+            ),
+        )
         self._runner = StepRunner(
             sharded.dmp,
             self.root_device,
@@ -330,17 +341,15 @@ class TorchRecStrategy(
             dense_width=sharded.dense_width,
             validate_batches=self._validate_batches,
             on_nonfinite_loss=self._on_nonfinite_loss,
-            pipeline=pipeline,
-            start_batch=self.pipeline_config.start_batch,
-            asked=self.pipeline != "auto",
+            mode=mode,
             global_step=lambda: self.lightning_module.trainer.global_step,
             timeout=self._timeouts(),
             group=self._host_group,
             batch_checks=self.batch_checks,
-            vote_ahead=ahead,
-            transformed=bool(batch_hooks(trainer)),
+            transformed=bool(hooks),
         )
         if fitting:
+            check_fit(trainer, sharded.plan, self.allow_fused_gradient_accumulation)
             self._runner.start_fit()
             if self.world_size > 1 and self._undo_sigterm is None:
                 self._undo_sigterm = take_over_step_votes(trainer, self._runner)

@@ -6,7 +6,6 @@ about) by name, before the first step; the sharding plan is printed and written 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,9 +30,7 @@ from lightning_torchrec.lightning.summary import WholeTableSummary
 from lightning_torchrec.sharding.plan_summary import PlanSummary
 from lightning_torchrec.sharding.sharders import has_fused_tables
 from lightning_torchrec.sharding.tables import configs_of
-from lightning_torchrec.training.pipelines import PipelineConfig, resolve_pipeline
-
-log = logging.getLogger(__name__)
+from lightning_torchrec.training.steps import check_accumulation
 
 #: The LightningModule and DataModule hooks by which Lightning changes each batch between the
 #: loader and the step (around ``Strategy.batch_to_device``).
@@ -63,25 +60,6 @@ def batch_hooks(trainer: Any) -> list[str]:
     ]
 
 
-def check_pipeline_batches(pipeline: str, hooks: list[str]) -> None:
-    """Refuses a named train pipeline for a module whose batch hooks change its batches.
-
-    Args:
-        pipeline: the pipeline asked for by name.
-        hooks: the overridden batch hooks (:func:`batch_hooks`).
-
-    Raises:
-        ValueError: naming the hooks, when there are any.
-    """
-    if hooks:
-        raise ValueError(
-            f"pipeline={pipeline!r} cannot run with {', '.join(hooks)}: the pipeline reads the "
-            "DataLoader's batches itself and would train on them without the hook's changes. "
-            "Move the transformation into the dataset or the DataLoader's collate_fn, or use "
-            "TorchRecStrategy(pipeline=None) (pipeline='auto' trains without a pipeline then)."
-        )
-
-
 def accumulation(trainer: Any) -> tuple[int, str]:
     """The gradient accumulation a fit may run, and what sets it.
 
@@ -106,36 +84,6 @@ def accumulation(trainer: Any) -> tuple[int, str]:
                     )
     factor = trainer.accumulate_grad_batches
     return factor, f"accumulate_grad_batches={factor}"
-
-
-def check_accumulation(factor: int, source: str, fused: bool, allowed: bool, piped: bool) -> None:
-    """Refuses gradient accumulation that fused tables or a train pipeline cannot honour.
-
-    Args:
-        factor: the accumulation factor.
-        source: what sets it, for the message.
-        fused: whether the model has fused tables.
-        allowed: ``TorchRecStrategy(allow_fused_gradient_accumulation=...)``.
-        piped: whether a train pipeline runs.
-
-    Raises:
-        ValueError: for accumulation with a pipeline, or with fused tables without the opt-in.
-    """
-    if factor <= 1:
-        return
-    if piped:
-        raise ValueError(
-            f"{source} cannot combine with a train pipeline: the pipeline runs the next "
-            "batch's input all-to-all against every update. Use pipeline=None to accumulate, "
-            "or a larger batch."
-        )
-    if fused and not allowed:
-        raise ValueError(
-            f"{source} does not apply to fused embedding tables: they update at every backward "
-            "pass. Use a larger batch, or pass "
-            "TorchRecStrategy(allow_fused_gradient_accumulation=True) to accumulate only the "
-            "dense gradients."
-        )
 
 
 def check_setup(trainer: Any, precision_plugin: Any) -> None:
@@ -305,61 +253,6 @@ def check_fused_training(trainer: Any, allow_fused_gradient_accumulation: bool) 
             "Gradient clipping reaches the dense parameters only: fused embedding tables update "
             "inside the backward pass before clipping could see their gradients."
         )
-
-
-def check_pipeline_training(trainer: Any) -> None:
-    """Refuses fit settings TorchRec's train pipeline cannot combine with.
-
-    Args:
-        trainer: the Trainer about to fit with ``TorchRecStrategy(pipeline=...)``.
-
-    Raises:
-        ValueError: for gradient accumulation (the pipeline runs one update per batch).
-    """
-    check_accumulation(*accumulation(trainer), False, True, True)
-
-
-def pipeline_for(
-    config: PipelineConfig, device: torch.device, trainer: Any, fitting: bool, ahead: bool = False
-) -> str | None:
-    """The pipeline a run trains with: ``"auto"`` resolved for the device and the Trainer.
-
-    A LightningModule or DataModule overriding a batch hook (:func:`batch_hooks`) trains
-    and evaluates on the batches as its hooks leave them, which a pipeline never sees: under
-    ``"auto"`` it runs without one (an INFO line says why), a named pipeline is refused.
-
-    Args:
-        config: the strategy's pipeline configuration.
-        device: the rank's device.
-        trainer: the Trainer (its gradient accumulation and its module's batch hooks rule a
-            pipeline out under ``"auto"``).
-        fitting: whether the run is a ``fit``.
-        ahead: whether the fit's steps vote ahead (see :func:`resolve_pipeline`).
-
-    Returns:
-        ``"sparse_dist"``, ``"semi_sync"`` or None.
-
-    Raises:
-        ValueError: when an asked-for pipeline cannot run with the Trainer's settings or the
-            module's batch hooks.
-    """
-    hooks = batch_hooks(trainer)
-    if config.kind == "auto" and hooks:
-        log.info(
-            "pipeline='auto' trains without a pipeline: %s change(s) each batch after the "
-            "DataLoader, and a pipeline would train on the loader's batches unchanged",
-            ", ".join(hooks),
-        )
-        return None
-    if config.kind == "auto":
-        accumulating = fitting and accumulation(trainer)[0] > 1
-        why = "gradient accumulation needs the unpipelined step" if accumulating else None
-        return resolve_pipeline(config, device, why, ahead)
-    if config.kind is not None:
-        check_pipeline_batches(config.kind, hooks)
-        if fitting:
-            check_pipeline_training(trainer)
-    return config.kind
 
 
 def check_sync_batchnorm(device: torch.device) -> None:

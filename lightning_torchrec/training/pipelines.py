@@ -60,7 +60,8 @@ TWICE = "a sharded embedding module is called twice per forward; TorchRec pipeli
 UNTRACED = "TorchRec's tracer of LightningModule.forward(batch) must find the sharded modules'"
 UNTRACED += " inputs as attributes of the batch"
 
-#: The pipelines a strategy takes; ``"auto"`` picks one per device (see :func:`resolve_pipeline`).
+#: The pipelines a strategy takes; ``"auto"`` picks one per device
+#: (:func:`~lightning_torchrec.training.steps.choose_mode`).
 PIPELINES = (None, "auto", "sparse_dist", "semi_sync")
 
 #: ``pipeline_options`` each pipeline takes (TorchRec's constructor arguments of the same name).
@@ -118,38 +119,6 @@ class PipelineConfig:
         if not isinstance(start, int) or isinstance(start, bool) or start < 0:
             raise ValueError(f"pipeline_options['start_batch'] must be an int >= 0, got {start!r}")
         return cls(pipeline, start)
-
-
-def resolve_pipeline(
-    config: PipelineConfig, device: torch.device, why_not: str | None, ahead: bool = False
-) -> str | None:
-    """The pipeline to run: ``"auto"`` becomes ``"sparse_dist"`` where it is faster, else none.
-
-    On CUDA, TorchRec's sparse-dist pipeline overlaps the next batch's host-to-device copy and
-    input all-to-all with this batch's compute (measured: faster than the unpipelined loop at
-    batch 65536 on an H100). On CPU ranks it overlaps the input all-to-all when the steps vote
-    ahead (more than one rank; the vote then runs during the step before): measured 2.6 ms a
-    step faster than unpipelined at the benchmark size, in 10 of 10 alternating rounds. With a
-    vote before each forward, or on one rank, the unpipelined step is as fast or faster (see
-    ``docs/benchmarks.md``). Both give bit-equal results.
-
-    Args:
-        config: the parsed config.
-        device: the rank's device.
-        why_not: why the fit cannot run a pipeline (e.g. gradient accumulation), or None.
-        ahead: whether the fit's training steps vote ahead.
-
-    Returns:
-        ``None``, ``"sparse_dist"`` or ``"semi_sync"``.
-    """
-    if config.kind != "auto":
-        return config.kind
-    if device.type != "cuda" and not ahead:
-        return None
-    if why_not is not None:
-        log.info("pipeline='auto' trains without a pipeline: %s", why_not)
-        return None
-    return "sparse_dist"
 
 
 class _NoOptimizer:

@@ -60,7 +60,7 @@ def run(pipeline: str | None, options: dict[str, Any] | None = None, tag: str = 
         **QUIET,
     )
     trainer.fit(model, datamodule=data)
-    training = strategy._runner.training  # the fit's runner; predict builds its own
+    training = getattr(strategy._runner.step, "driver", None)  # the fit's; predict builds its own
     preds = trainer.predict(model, dataloaders=data.val_dataloader())
     evaluating = strategy._runner.evaluation
     torch.save(
