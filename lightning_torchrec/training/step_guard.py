@@ -11,25 +11,161 @@ every rank (:func:`lightning_torchrec.distributed.agree`).
   optimizers.) The vote may run ahead (:meth:`StepGuard.vote_ahead`): started during a step and
   decided after it, it covers the next step's batch while the backward runs.
 
-What is finite (a loss of any shape, a state dict) is judged in
-:mod:`~lightning_torchrec.training.finite`.
+The vote also carries each rank's "no batch after this one": ranks whose batch counts differ
+would otherwise wait forever in the next step's collectives. Known counts are compared before a
+stage starts (:func:`check_counts`); unknown ones batch by batch (:func:`check_even`), and in a
+loop of the user's own with the flag of a rank still evaluating (:func:`check_in_step`). A loss of
+any shape is judged by one number picked on its device (:func:`loss_to_judge`), read a step later.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from lightning_torchrec.distributed import collective_device, launch_agree, rank_and_world_size
-from lightning_torchrec.errors import BatchValidationError, NonFiniteLossError
+from lightning_torchrec.distributed import (
+    all_gather,
+    collective_device,
+    launch_agree,
+    rank_and_world_size,
+)
+from lightning_torchrec.errors import BatchValidationError, NonFiniteLossError, UnevenDataError
 from lightning_torchrec.sharding.features import FeatureSpec
 from lightning_torchrec.training.batch_checks import check_batch
 from lightning_torchrec.training.device_checks import DeferredVerdict
-from lightning_torchrec.training.finite import loss_to_judge, nonfinite_loss_error
-from lightning_torchrec.training.uneven_data import check_even, check_in_step
 from lightning_torchrec.training.worker_checks import UNCHECKED, VERDICT_ATTRIBUTE, worker_verdict
+
+
+def loss_to_judge(loss: torch.Tensor) -> torch.Tensor:
+    """The one number that judges a loss of any shape, picked on its device (no host read).
+
+    The first non-finite element, else the first element (0 for an empty loss): the loss is
+    finite exactly when that number is.
+
+    Args:
+        loss: the step's loss (a scalar, or any shape under manual optimization).
+
+    Returns:
+        A float32 tensor of one element on the loss's device.
+    """
+    flat = loss.reshape(-1).float()
+    if not flat.numel():
+        return flat.new_zeros(1)
+    first_bad = torch.argmin(torch.isfinite(flat).to(torch.int8)).reshape(1)
+    return flat.index_select(0, first_bad)
+
+
+def nonfinite_loss_error(pending: tuple[int, torch.Tensor] | None) -> NonFiniteLossError | None:
+    """The error for a recorded loss that is not finite.
+
+    Args:
+        pending: ``(global step, loss)`` as recorded (on the host), or None.
+
+    Returns:
+        The error naming the step, this rank and the value; None for a finite loss or none.
+    """
+    if pending is None:  # below: one read of a scalar loss (the usual case), else a reduction
+        return None
+    step, value = pending
+    if math.isfinite(value.item()) if value.numel() == 1 else bool(value.isfinite().all()):
+        return None
+    rank, _ = rank_and_world_size()
+    flat = value.reshape(-1)
+    return NonFiniteLossError(
+        f"non-finite training loss at global step {step} on rank(s) [{rank}] (this rank: "
+        f"{float(flat[~flat.isfinite()][0])}). That step's update was applied, so the in-memory "
+        "weights may be non-finite; checkpoints refuse non-finite values and the last one is "
+        "intact. Check the batch (NaN features, extreme labels/weights) and lower the "
+        "learning rate."
+    )
+
+
+def check_even(last_ranks: list[int], stage: str, batch_idx: int) -> None:
+    """Raises when only some ranks are at their last batch (call with an agreed rank list).
+
+    Args:
+        last_ranks: the ranks at their last batch of the epoch (from :func:`agree`'s flags).
+        stage: ``"training"``, ``"validation"``, ...
+        batch_idx: the index of the batch all ranks are at.
+
+    Raises:
+        UnevenDataError: naming the ranks and their batch counts, the same on every rank.
+    """
+    if not last_ranks:  # the common case, decided without asking torch.distributed
+        return
+    _, world = rank_and_world_size()
+    if len(last_ranks) == world:
+        return
+    others = [r for r in range(world) if r not in last_ranks]
+    raise UnevenDataError(
+        f"the ranks have different numbers of {stage} batches in this epoch: rank(s) "
+        f"{last_ranks} have {batch_idx + 1}, rank(s) {others} have more. Every rank must get "
+        "the same number of batches (sharded tables run collectives in every step): use "
+        "Lightning's distributed sampler (use_distributed_sampler=True pads the last batches), "
+        "split iterable datasets evenly per rank, or drop the remainder."
+    )
+
+
+def check_in_step(evaluating: list[int]) -> None:
+    """Raises when only some ranks voted from an evaluation forward (call with an agreed list).
+
+    In a loop of the user's own, an evaluation forward's vote has the training votes' layout
+    (:meth:`~lightning_torchrec.training.step_guard.StepGuard.before_loop_eval`): a rank with
+    more evaluation batches than the others meets their next training vote or their end of
+    training there.
+
+    Args:
+        evaluating: the ranks that voted from an evaluation forward.
+
+    Raises:
+        UnevenDataError: naming the ranks, the same on every rank.
+    """
+    if not evaluating:
+        return
+    _, world = rank_and_world_size()
+    if len(evaluating) == world:
+        return
+    others = [r for r in range(world) if r not in evaluating]
+    raise UnevenDataError(
+        f"rank(s) {evaluating} ran an evaluation forward while rank(s) {others} had ended their "
+        "evaluation (at a training step, or at the end of training): the ranks have different "
+        "numbers of evaluation batches. Give every rank as many evaluation batches (a "
+        "distributed sampler pads them; drop the remainder of an iterable dataset)."
+    )
+
+
+def check_counts(count: float, stage: str) -> None:
+    """Raises on every rank when the ranks' known batch counts differ. Collective.
+
+    Sized dataloaders are compared this way before the first step; unknown counts (``inf``) are
+    compared batch by batch in the step's collective.
+
+    Args:
+        count: this rank's number of batches (``inf`` when unknown).
+        stage: ``"training"``, ``"validation"``, ``"test"`` or ``"predict"``.
+
+    Raises:
+        UnevenDataError: naming every rank's count, the same on every rank.
+    """
+    counts = all_gather(float(count))
+    known = [c for c in counts if c != float("inf")]
+    if len(set(known)) <= 1:
+        return
+    listed = ", ".join(f"rank {r}: {c:g}" for r, c in enumerate(counts))
+    fix = (
+        "make the number of predict batches a multiple of the number of ranks (pad the "
+        "dataset), or predict on one device"
+        if stage == "predict"
+        else "use Lightning's distributed sampler (use_distributed_sampler=True pads the last "
+        "batches), or give every rank as many batches"
+    )
+    raise UnevenDataError(
+        f"the ranks have different numbers of {stage} batches ({listed}). Sharded tables run "
+        f"collectives in every step, so the shorter ranks would leave the others waiting: {fix}."
+    )
 
 
 class StepGuard:

@@ -33,9 +33,8 @@ from lightning_torchrec.sharding.features import FeatureSpec
 from lightning_torchrec.training.device_checks import judged_next_step
 from lightning_torchrec.training.pipeline_feed import epoch_ending
 from lightning_torchrec.training.pipelines import SparseDistPipeline
-from lightning_torchrec.training.step_guard import StepGuard
+from lightning_torchrec.training.step_guard import StepGuard, check_counts
 from lightning_torchrec.training.steps import StepMode, StepPosition, TrainStep, UnpipelinedStep
-from lightning_torchrec.training.uneven_data import check_counts
 from lightning_torchrec.training.worker_checks import check_in_workers
 
 log = logging.getLogger(__name__)
