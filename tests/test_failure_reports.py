@@ -153,10 +153,10 @@ def test_the_strategy_reports_its_own_errors_never_a_dead_peers_bare_one(
     # A bare gloo error (a metric's own sync) reported as this rank's would have told a third
     # rank that this one failed.
     from lightning_torchrec import TorchRecStrategy
-    from lightning_torchrec.lightning import step_hooks
+    from lightning_torchrec.training import run
 
     posted: list[BaseException] = []
-    monkeypatch.setattr(step_hooks, "post", lambda error, *args: posted.append(error))
+    monkeypatch.setattr(run, "post", lambda error, *args: posted.append(error))
     strategy = TorchRecStrategy()
     bare = RuntimeError(
         "[third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer"

@@ -27,11 +27,11 @@ from torch.utils.data import (
 from lightning_torchrec import TorchRecStrategy
 from lightning_torchrec.data.mid_epoch import SkipBatches, skip_batches
 from lightning_torchrec.data.synthetic import SyntheticClickDataset
-from lightning_torchrec.lightning.data_hooks import set_sampler_epoch
 from lightning_torchrec.lightning.mid_epoch import (
     POSITION_KEY,
     resume_in_epoch,
     saved_position,
+    set_sampler_epoch,
 )
 from tests.helpers import assert_same, load_ranks, run_script
 from tests.scripts.factory import ROWS, cpu_trainer, table_wise, tiny_data, tiny_dlrm

@@ -23,7 +23,7 @@ from torchrec.distributed.types import (
 )
 from torchrec.modules.embedding_configs import DataType
 
-from lightning_torchrec.lightning.trainer_setup import log_plan
+from lightning_torchrec.lightning.trainer_setup import write_plan
 from lightning_torchrec.sharding.plan_summary import PlanSummary, summarize_plan
 
 
@@ -123,13 +123,13 @@ def test_a_table_the_model_does_not_have_counts_no_bytes() -> None:
     )
 
 
-def test_log_plan_writes_text_and_a_markdown_file(summary: PlanSummary, tmp_path: Path) -> None:
+def test_write_plan_writes_text_and_a_markdown_file(summary: PlanSummary, tmp_path: Path) -> None:
     texts: list[tuple[str, str, int]] = []
     experiment = SimpleNamespace(
         add_text=lambda tag, text, global_step: texts.append((tag, text, global_step))
     )
     tensorboard = SimpleNamespace(experiment=experiment, log_dir=str(tmp_path / "tb"))
     csv = SimpleNamespace(experiment=object(), log_dir=None)
-    log_plan(summary, [tensorboard, csv])
+    write_plan(summary, [tensorboard, csv])
     assert texts == [("torchrec/sharding_plan", summary.to_markdown(), 0)]
     assert (tmp_path / "tb" / "sharding_plan.md").read_text() == summary.to_markdown() + "\n"

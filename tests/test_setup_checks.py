@@ -24,9 +24,7 @@ from torchrec.distributed.types import (
 )
 
 from lightning_torchrec.lightning.trainer_setup import (
-    check_fused_precision,
     check_fused_training,
-    check_precision,
     check_sync_batchnorm,
 )
 from lightning_torchrec.sharding.planning import make_planner, make_topology
@@ -40,6 +38,7 @@ from lightning_torchrec.sharding.setup_checks import (
     warn_materialized,
 )
 from lightning_torchrec.sharding.sharders import default_sharders
+from lightning_torchrec.training.run import check_precision
 from tests.scripts.factory import (
     cpu_trainer,
     sharding_constraints,
@@ -168,21 +167,20 @@ def test_planner_error_without_a_topology_still_gives_the_bytes() -> None:
 )
 def test_whole_model_precisions_are_refused_naming_them(plugin: Precision) -> None:
     with pytest.raises(ValueError, match=rf"precision='{plugin.precision}'.*bf16-mixed"):
-        check_precision(plugin)
+        check_precision(plugin, fused_tables=False)
 
 
 def test_mixed_and_full_precision_pass() -> None:
-    check_precision(Precision())
-    check_precision(MixedPrecision("bf16-mixed", "cpu"))
-    check_fused_precision(MixedPrecision("bf16-mixed", "cpu"))
-    check_fused_precision(Precision())
+    for fused in (False, True):
+        check_precision(Precision(), fused)
+        check_precision(MixedPrecision("bf16-mixed", "cpu"), fused)
 
 
 def test_a_grad_scaler_with_fused_tables_is_refused() -> None:
     scaled = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
     with pytest.raises(ValueError, match="'16-mixed' uses a gradient scaler.*scaled"):
-        check_fused_precision(scaled)
-    check_precision(scaled)  # mixed precision itself is fine
+        check_precision(scaled, fused_tables=True)
+    check_precision(scaled, fused_tables=False)  # mixed precision itself is fine
 
 
 def fit_settings(accumulate: int = 1, clip: float | None = None) -> SimpleNamespace:

@@ -289,20 +289,20 @@ class ResultsOnlyLauncher(_MultiProcessingLauncher):
         return _WorkerOutput(best_model_path, None, trainer.state, results, extra)
 
 
-class ResultsOnlyLaunching:
-    """Strategy mixin: fork/spawn launches use :class:`ResultsOnlyLauncher`.
+def results_only_launcher(strategy: Any, parent: Any) -> None:
+    """Lightning's launcher for ``strategy``, with fork/spawn as :class:`ResultsOnlyLauncher`.
 
-    Overrides ``_configure_launcher`` (the hook Lightning's accelerator connector calls, lightning
-    2.0+), keeping the parent's choice for ``popen`` and external launchers.
+    The body of the strategy's ``_configure_launcher`` override (the hook Lightning's accelerator
+    connector calls, lightning 2.0+): Lightning's own choice first, then ``popen`` and external
+    launchers are kept and fork/spawn bring back results only.
+
+    Args:
+        strategy: the strategy being configured.
+        parent: ``super()`` in the strategy's override (Lightning's implementation).
     """
-
-    _launcher: Any
-    _start_method: str
-
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()  # type: ignore[misc]
-        if isinstance(self._launcher, _MultiProcessingLauncher):
-            self._launcher = ResultsOnlyLauncher(self, start_method=self._start_method)
+    parent._configure_launcher()
+    if isinstance(strategy._launcher, _MultiProcessingLauncher):
+        strategy._launcher = ResultsOnlyLauncher(strategy, start_method=strategy._start_method)
 
 
 @contextlib.contextmanager

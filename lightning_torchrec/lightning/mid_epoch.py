@@ -147,6 +147,20 @@ def _rescaled_warning(position: dict[str, int]) -> str:
     )
 
 
+def set_sampler_epoch(dataloader: Any, epoch: int) -> None:
+    """Sets ``epoch`` on every sampler of ``dataloader`` that has ``set_epoch``.
+
+    Args:
+        dataloader: a DataLoader (or anything with ``sampler``/``batch_sampler``).
+        epoch: the epoch about to be iterated.
+    """
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    for sampler in (getattr(dataloader, "sampler", None), batch_sampler):
+        for s in (sampler, getattr(sampler, "sampler", None)):
+            if callable(getattr(s, "set_epoch", None)):
+                s.set_epoch(epoch)
+
+
 def has_state_protocol(loader: Any) -> bool:
     """Whether Lightning saves and restores ``loader``'s own position.
 

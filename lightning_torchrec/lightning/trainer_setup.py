@@ -17,10 +17,9 @@ from lightning.pytorch.callbacks import (
     ModelCheckpoint,
     StochasticWeightAveraging,
 )
-from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_torchrec.checkpoint.paths import local_path
 from lightning_torchrec.compat.lightning import lighter_defaults
@@ -30,6 +29,7 @@ from lightning_torchrec.lightning.summary import WholeTableSummary
 from lightning_torchrec.sharding.plan_summary import PlanSummary
 from lightning_torchrec.sharding.sharders import has_fused_tables
 from lightning_torchrec.sharding.tables import configs_of
+from lightning_torchrec.training.run import check_precision
 from lightning_torchrec.training.steps import check_accumulation
 
 #: The LightningModule and DataModule hooks by which Lightning changes each batch between the
@@ -98,7 +98,7 @@ def check_setup(trainer: Any, precision_plugin: Any) -> None:
     Raises:
         ValueError: see those functions.
     """
-    check_precision(precision_plugin)
+    check_precision(precision_plugin, fused_tables=False)
     if trainer.state.fn == TrainerFn.FITTING:
         check_pruning(trainer)
 
@@ -158,41 +158,6 @@ def adapt_trainer_defaults(trainer: Any) -> Callable[[], None]:
     return undo
 
 
-def check_precision(precision_plugin: Any) -> None:
-    """Refuses precisions that convert the whole model.
-
-    Args:
-        precision_plugin: the Trainer's precision plugin.
-
-    Raises:
-        ValueError: for ``*-true`` precisions, with the fix.
-    """
-    if isinstance(precision_plugin, (HalfPrecision, DoublePrecision)):
-        raise ValueError(
-            f"precision={precision_plugin.precision!r} converts the whole model, but TorchRec's "
-            "embedding kernels keep fp32 tables and return fp32 embeddings. Use "
-            "precision='bf16-mixed' (or '32-true'); set the table dtype with "
-            "EmbeddingBagConfig(data_type=...)."
-        )
-
-
-def check_fused_precision(precision_plugin: Any) -> None:
-    """Refuses a gradient scaler when tables are fused.
-
-    Args:
-        precision_plugin: the Trainer's precision plugin.
-
-    Raises:
-        ValueError: for fp16 mixed precision with a grad scaler.
-    """
-    if isinstance(precision_plugin, MixedPrecision) and precision_plugin.scaler is not None:
-        raise ValueError(
-            "precision='16-mixed' uses a gradient scaler, but fused embedding tables update "
-            "inside the backward pass with the *scaled* gradients, so they would diverge. Use "
-            "precision='bf16-mixed', or shard tables with a non-fused compute kernel."
-        )
-
-
 def _callback(trainer: Any, kind: type) -> Any:
     return next((c for c in getattr(trainer, "callbacks", ()) if isinstance(c, kind)), None)
 
@@ -236,7 +201,7 @@ def check_fused_training(trainer: Any, allow_fused_gradient_accumulation: bool) 
             (``accumulate_grad_batches``, or a ``GradientAccumulationScheduler`` that ever
             accumulates) without the opt-in.
     """
-    check_fused_precision(trainer.precision_plugin)
+    check_precision(trainer.precision_plugin, fused_tables=True)
     finetuning = _callback(trainer, BaseFinetuning)
     if finetuning is not None:
         raise ValueError(
@@ -272,17 +237,16 @@ def check_sync_batchnorm(device: torch.device) -> None:
         )
 
 
-def log_plan(summary: PlanSummary, loggers: Sequence[Any]) -> None:
-    """Prints the plan and writes it to the loggers (TensorBoard text, ``sharding_plan.md``).
+def write_plan(summary: PlanSummary, loggers: Sequence[Any]) -> None:
+    """Writes the plan to the loggers (TensorBoard text, ``sharding_plan.md``).
 
-    Call on rank 0.
+    Call on rank 0 (the run prints it: :meth:`~lightning_torchrec.training.run.ShardedRun.shard`).
 
     Args:
         summary: the plan summary.
         loggers: Lightning loggers (``trainer.loggers``).
     """
     text = summary.to_markdown()
-    rank_zero_info(f"TorchRec sharding plan ({summary.world_size} ranks):\n{text}")
     for logger in loggers:
         experiment = getattr(logger, "experiment", None)
         if hasattr(experiment, "add_text"):
