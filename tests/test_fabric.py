@@ -16,6 +16,9 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
+from lightning.fabric.accelerators import CPUAccelerator
+from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
@@ -28,10 +31,9 @@ from lightning_torchrec import (
 from lightning_torchrec.compat.lightning_fabric import ReportingLauncher
 from lightning_torchrec.data import SyntheticClickDataset
 from lightning_torchrec.errors import CheckpointMismatchError
-from lightning_torchrec.fabric import failures
-from lightning_torchrec.fabric.failures import FabricFailures
 from lightning_torchrec.fabric.strategy import TorchRecFabricStrategy as Direct
 from lightning_torchrec.models.dlrm import dlrm_click_model
+from lightning_torchrec.training import run as sharded_run
 from tests.helpers import assert_same, load_ranks, one_rank_group, run_script  # noqa: F401
 from tests.scripts.factory import table_wise
 
@@ -286,30 +288,6 @@ def test_the_loops_collectives_name_a_dead_peer(
         getattr(TorchRecFabricStrategy(), name)(*args)
 
 
-class Failing(FabricFailures):
-    """The failure reports of the strategy over a base without a process group."""
-
-    global_rank, world_size, collective_timeout, step, _dmp = 1, 2, None, 3, None
-
-    def setup_environment(self) -> None:
-        super().setup_environment()
-
-    def teardown(self) -> None:
-        super().teardown()
-
-
-class NoGroup:
-    def setup_environment(self) -> None:
-        pass
-
-    def teardown(self) -> None:
-        pass
-
-
-class FailingStrategy(Failing, NoGroup):
-    pass
-
-
 def test_the_strategy_reports_an_uncaught_error_while_set_up_and_only_then(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -317,18 +295,29 @@ def test_the_strategy_reports_an_uncaught_error_while_set_up_and_only_then(
     posted: list[tuple[BaseException, str, int]] = []
     monkeypatch.setattr(sys, "excepthook", lambda kind, error, tb: printed.append(error))
     monkeypatch.setattr(
-        failures, "post", lambda error, where, rank: posted.append((error, where, rank))
+        sharded_run, "post", lambda error, where, rank: posted.append((error, where, rank))
     )
+    monkeypatch.setattr(Direct, "global_rank", property(lambda self: 1))
+    monkeypatch.setattr(Direct, "world_size", property(lambda self: 2))
+    # The set-up of a strategy over two ranks, without their process group.
+    monkeypatch.setattr(DDPStrategy, "setup_environment", lambda self: None)
+    monkeypatch.setattr(dist, "get_backend", lambda *args: "gloo")
     before = sys.excepthook
-    strategy = FailingStrategy()
+    devices = [torch.device("cpu")] * 2
+    strategy = TorchRecFabricStrategy(
+        accelerator=CPUAccelerator(),
+        parallel_devices=devices,
+        cluster_environment=LightningEnvironment(),
+    )
     strategy.setup_environment()
+    strategy.step = 3
     bug = KeyError("user_id")
     sys.excepthook(KeyError, bug, None)  # what Python does with an error nobody caught
     assert posted == [(bug, "Fabric step 3", 1)] and printed == [bug]  # reported, then printed
     strategy.teardown()
     assert sys.excepthook is before  # restored
     # A strategy never torn down takes its hook out when it is collected.
-    strategy = FailingStrategy()
+    strategy = TorchRecFabricStrategy()
     strategy.setup_environment()
     assert sys.excepthook is not before
     del strategy

@@ -30,17 +30,16 @@ class ReportingLauncher(_MultiProcessingLauncher):
             raise
 
 
-class ReportingLaunching:
-    """Strategy mixin: fork/spawn launches use :class:`ReportingLauncher`.
+def reporting_launcher(strategy: Any, parent: Any) -> None:
+    """Fabric's launcher for ``strategy``, with fork/spawn as :class:`ReportingLauncher`.
 
-    Overrides ``_configure_launcher`` (which Fabric's connector calls, lightning 2.0+), keeping
-    the parent's choice for ``popen`` and external launchers.
+    The body of the strategy's ``_configure_launcher`` override (which Fabric's connector calls,
+    lightning 2.0+): Fabric's own choice first, keeping ``popen`` and external launchers.
+
+    Args:
+        strategy: the strategy being configured.
+        parent: ``super()`` in the strategy's override (Fabric's implementation).
     """
-
-    _launcher: Any
-    _start_method: str
-
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()  # type: ignore[misc]
-        if isinstance(self._launcher, _MultiProcessingLauncher):
-            self._launcher = ReportingLauncher(self, start_method=self._start_method)
+    parent._configure_launcher()
+    if isinstance(strategy._launcher, _MultiProcessingLauncher):
+        strategy._launcher = ReportingLauncher(strategy, start_method=strategy._start_method)

@@ -1,4 +1,4 @@
-"""``fabric.save``/``fabric.load`` for ``TorchRecFabricStrategy``: sharded DCP directories.
+"""``fabric.save``/``fabric.load`` of ``TorchRecFabricStrategy``: sharded DCP directories.
 
 Fabric hands the strategy a dict of modules, optimizers and plain values. The (one) sharded
 module and the optimizers go to :func:`lightning_torchrec.checkpoint.save_sharded` exactly as the
@@ -20,7 +20,6 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torchrec.optim.keyed import KeyedOptimizer
-from typing_extensions import override
 
 from lightning_torchrec.checkpoint import load_sharded, save_sharded
 from lightning_torchrec.checkpoint.hyper_params import scheduler_state
@@ -103,116 +102,88 @@ def split_state(
     return unwrap(modules[0]), optimizers, plain
 
 
-class FabricCheckpointing:
-    """Mixin for ``TorchRecFabricStrategy`` (which provides the annotated attributes)."""
+def save_fabric_checkpoint(strategy: Any, path: Any, state: dict[str, Any]) -> None:
+    """Writes a sharded checkpoint directory (every rank writes its shards). Collective.
 
-    _dmp: Any
-    _runner: Any
-    broadcast: Any
-    check_finite_checkpoints: bool
-    load_optimizer_states: bool
-    _collective: Any
-    _push_fused_lr: Any
+    Args:
+        strategy: the ``TorchRecFabricStrategy`` (its run, set-up module and settings).
+        path: the checkpoint directory (rank 0's path is used by every rank).
+        state: the model (the set-up one), optimizers and plain values to save; an object with
+            ``state_dict()`` and ``load_state_dict()`` (an LR scheduler) is saved as its
+            ``state_dict()``, as Fabric's own strategies do.
 
-    @override
-    def save_checkpoint(
-        self,
-        path: Any,
-        state: dict[str, Any],
-        storage_options: Any | None = None,
-        filter: dict[str, Any] | None = None,
-    ) -> None:
-        """Writes a sharded checkpoint directory (every rank writes its shards). Collective.
+    Raises:
+        ValueError: see :func:`split_state`.
+        NonFiniteCheckpointError: for NaN/inf weights or optimizer state; nothing is written.
+        BatchValidationError: when a batch judged a step late was bad (on every rank).
+    """
+    runner = strategy.run.runner
+    if runner is not None:  # a batch judged a step late never reaches a checkpoint
+        runner.settle()
+    target = local_path(strategy.run.collective(strategy.broadcast, str(path)))
+    module, optimizers, plain = split_state(state, strategy.dmp)
+    values = {k: v.state_dict() if is_stateful(v) else v for k, v in plain.items()}
+    save_sharded(
+        target,
+        module,
+        optimizers,
+        {**TRAINER_ENTRIES, **values},
+        check_finite_values=strategy.check_finite_checkpoints,
+    )
 
-        Args:
-            path: the checkpoint directory (rank 0's path is used by every rank).
-            state: the model (the set-up one), optimizers and plain values to save; an object
-                with ``state_dict()`` and ``load_state_dict()`` (an LR scheduler) is saved as
-                its ``state_dict()``, as Fabric's own strategies do.
-            storage_options: not supported.
-            filter: not supported.
 
-        Raises:
-            TypeError: for ``storage_options`` or ``filter``.
-            ValueError: see :func:`split_state`.
-            NonFiniteCheckpointError: for NaN/inf weights or optimizer state; nothing is written.
-            BatchValidationError: when a batch judged a step late was bad (on every rank).
-        """
-        if storage_options is not None or filter is not None:
-            raise TypeError("TorchRecFabricStrategy.save_checkpoint takes no options or filter")
-        if self._runner is not None:  # a batch judged a step late never reaches a checkpoint
-            self._runner.settle()
-        target = local_path(self._collective(self.broadcast, str(path)))
-        module, optimizers, plain = split_state(state, self._dmp)
-        values = {k: v.state_dict() if is_stateful(v) else v for k, v in plain.items()}
-        save_sharded(
-            target,
-            module,
-            optimizers,
-            {**TRAINER_ENTRIES, **values},
-            check_finite_values=self.check_finite_checkpoints,
+def load_fabric_checkpoint(
+    strategy: Any, path: Any, state: Any, strict: bool, weights_only: bool | None
+) -> dict[str, Any]:
+    """Loads a sharded checkpoint in place, resharding to this plan and world. Collective.
+
+    Args:
+        strategy: the ``TorchRecFabricStrategy`` (after ``setup_module``).
+        path: a checkpoint directory written by this strategy or ``TorchRecStrategy``.
+        state: the set-up module, or ``{name: module | optimizer | value}``; plain values are
+            replaced by the checkpoint's (in place), objects with ``load_state_dict()`` (an LR
+            scheduler) load theirs.
+        strict: raise when a plain value of ``state`` is not in the checkpoint, or the model
+            and the checkpoint do not hold the same tensors (False: see
+            :mod:`~lightning_torchrec.checkpoint.lenient`; a shape mismatch is refused).
+        weights_only: read the metadata with ``torch.load(weights_only=...)`` (default True;
+            tensors are always read without running code).
+
+    Returns:
+        The checkpoint's plain values that ``state`` did not ask for.
+
+    Raises:
+        ValueError: without a module to load into.
+        KeyError: with ``strict``, for a plain value the checkpoint lacks.
+    """
+    if isinstance(state, nn.Module):
+        state = {"model": state}
+    if not isinstance(state, dict):
+        raise ValueError(
+            "fabric.load of a sharded TorchRec checkpoint needs the objects to load into: "
+            "`fabric.load(path, {'model': model, 'optimizer': optimizer, ...})`."
         )
-
-    @override
-    def load_checkpoint(
-        self,
-        path: Any,
-        state: Any = None,
-        strict: bool = True,
-        weights_only: bool | None = None,
-    ) -> dict[str, Any]:
-        """Loads a sharded checkpoint in place, resharding to this plan and world. Collective.
-
-        Args:
-            path: a checkpoint directory written by this strategy or ``TorchRecStrategy``.
-            state: the set-up module, or ``{name: module | optimizer | value}``; plain values
-                are replaced by the checkpoint's (in place), objects with ``load_state_dict()``
-                (an LR scheduler) load theirs.
-            strict: raise when a plain value of ``state`` is not in the checkpoint, or the
-                model and the checkpoint do not hold the same tensors (False: see
-                :mod:`~lightning_torchrec.checkpoint.lenient`; a shape mismatch is refused).
-            weights_only: read the metadata with ``torch.load(weights_only=...)`` (default
-                True; tensors are always read without running code).
-
-        Returns:
-            The checkpoint's plain values that ``state`` did not ask for.
-
-        Raises:
-            ValueError: without a module to load into.
-            KeyError: with ``strict``, for a plain value the checkpoint lacks.
-            CheckpointMismatchError: if the model or optimizers do not fit the checkpoint.
-            CheckpointCorruptError: if a file is damaged, naming it.
-            UnsafeCheckpointError: if a file would run code when loaded.
-        """
-        if isinstance(state, nn.Module):
-            state = {"model": state}
-        if not isinstance(state, dict):
-            raise ValueError(
-                "fabric.load of a sharded TorchRec checkpoint needs the objects to load into: "
-                "`fabric.load(path, {'model': model, 'optimizer': optimizer, ...})`."
-            )
-        target = local_path(self._collective(self.broadcast, str(path)))
-        module, optimizers, plain = split_state(state, self._dmp)
-        meta = load_sharded(
-            target,
-            module,
-            optimizers,
-            weights_only=True if weights_only is None else weights_only,
-            load_optimizer_states=self.load_optimizer_states,
-            strict=strict,
-        )
-        self._push_fused_lr()
-        schedulers = meta.get("lr_schedulers")
-        if optimizers and isinstance(schedulers, list):  # rank 0's groups, matched to this rank's
-            meta["lr_schedulers"] = [
-                scheduler_state(s, optimizers[0]) if isinstance(s, dict) else s for s in schedulers
-            ]
-        missing = [k for k in plain if k not in meta]
-        if strict and missing:
-            raise KeyError(f"the checkpoint {target} holds no {missing}")
-        for key, value in plain.items():
-            if key in meta and is_stateful(value):  # e.g. an LR scheduler, loaded in place
-                load_stateful(value, meta.pop(key), optimizers)
-            elif key in meta:
-                state[key] = meta.pop(key)
-        return meta
+    target = local_path(strategy.run.collective(strategy.broadcast, str(path)))
+    module, optimizers, plain = split_state(state, strategy.dmp)
+    meta = load_sharded(
+        target,
+        module,
+        optimizers,
+        weights_only=True if weights_only is None else weights_only,
+        load_optimizer_states=strategy.load_optimizer_states,
+        strict=strict,
+    )
+    schedulers = meta.get("lr_schedulers")
+    if optimizers and isinstance(schedulers, list):  # rank 0's groups, matched to this rank's
+        meta["lr_schedulers"] = [
+            scheduler_state(s, optimizers[0]) if isinstance(s, dict) else s for s in schedulers
+        ]
+    missing = [k for k in plain if k not in meta]
+    if strict and missing:
+        raise KeyError(f"the checkpoint {target} holds no {missing}")
+    for key, value in plain.items():
+        if key in meta and is_stateful(value):  # e.g. an LR scheduler, loaded in place
+            load_stateful(value, meta.pop(key), optimizers)
+        elif key in meta:
+            state[key] = meta.pop(key)
+    return meta

@@ -12,7 +12,7 @@ strategy reports at the point where Python itself handles an error nobody caught
   traceback is printed and before the process group is torn down at exit, so the report is in
   the store before the peers' collectives fail. It is taken out at ``teardown`` (or when the
   strategy is garbage-collected); an error that the loop catches is not a failure and is not
-  reported (the loop may report it itself with :meth:`FabricFailures.report_failure`);
+  reported (the loop may report it itself with the strategy's ``report_failure``);
 * a function launched with ``start_method="spawn"``/``"fork"`` (notebooks): torch's process
   wrapper catches the error before ``sys.excepthook`` could see it, so the strategy's launcher
   reports it (:class:`~lightning_torchrec.compat.lightning_fabric.ReportingLauncher`).
@@ -28,12 +28,6 @@ import sys
 import weakref
 from types import TracebackType
 from typing import Any
-
-from typing_extensions import override
-
-from lightning_torchrec.distributed import peer_failure
-from lightning_torchrec.errors import PeerFailureError
-from lightning_torchrec.failure_reports import begin_run, post
 
 
 class FailureHook:
@@ -76,50 +70,18 @@ class FailureHook:
             sys.excepthook = self.previous
 
 
-class FabricFailures:
-    """Mixin for ``TorchRecFabricStrategy`` (before Fabric's ``DDPStrategy`` in its bases)."""
+def install_failure_hook(strategy: Any) -> FailureHook:
+    """Puts ``strategy``'s :class:`FailureHook` in ``sys.excepthook``, until it is removed.
 
-    global_rank: int
-    world_size: int
-    collective_timeout: Any
-    step: int
-    _dmp: Any
-    _failure_hook: FailureHook | None = None
+    Taken out at the strategy's ``teardown``, or when the strategy is garbage-collected.
 
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()  # type: ignore[misc]
-        # No report of an earlier run in these processes explains a failure of this one.
-        begin_run(self.global_rank)
-        if self.world_size > 1 and self._failure_hook is None:
-            hook = self._failure_hook = FailureHook(self, sys.excepthook)
-            sys.excepthook = hook
-            weakref.finalize(self, hook.remove)  # a strategy never torn down: out when collected
+    Args:
+        strategy: the strategy that reports (its ``report_failure``).
 
-    def report_failure(self, exception: BaseException) -> None:
-        """Tells the other ranks what this rank fails with, before it exits.
-
-        Called by the strategy for an error that no one caught (see the module); a loop that
-        catches an error and then ends this rank's part can call it itself. A collective's error
-        that only says a peer died is not this rank's own: it is explained (with the failing
-        rank's report, when there is one) on stderr and not reported.
-
-        Args:
-            exception: the error this rank is failing with.
-        """
-        failure = exception
-        if not isinstance(exception, PeerFailureError):
-            failure = peer_failure(exception, self.collective_timeout) or exception
-        if failure is not exception:  # a collective outside the strategy's failed bare
-            name = type(failure).__name__
-            print(f"[rank {self.global_rank}] {name}: {failure}", file=sys.stderr, flush=True)
-        evaluating = self._dmp is not None and not self._dmp.training
-        where = f"Fabric step {self.step}" + (" (evaluation)" if evaluating else "")
-        post(failure, where, self.global_rank)
-
-    @override
-    def teardown(self) -> None:
-        if self._failure_hook is not None:
-            self._failure_hook.remove()
-            self._failure_hook = None
-        super().teardown()  # type: ignore[misc]
+    Returns:
+        The hook (call its ``remove()``).
+    """
+    hook = FailureHook(strategy, sys.excepthook)
+    sys.excepthook = hook
+    weakref.finalize(strategy, hook.remove)  # a strategy never torn down: out when collected
+    return hook
