@@ -34,7 +34,6 @@ BENCHMARKS = [
     "planner_scale",
     "pipeline_throughput",
     "lightning_step_cost",
-    "loop_pieces",
     "step_phases",
     "vote_ahead",
     "semi_sync_gap",
@@ -381,35 +380,6 @@ def instructions_table(out: Path) -> list[str]:
     return [*lines, ""]
 
 
-def loop_pieces_table(out: Path) -> list[str]:
-    """Lightning's per-step pieces, its own against the strategy's (empty without the file)."""
-    r = _load(out, "loop_pieces")
-    if not r or "pieces" not in r:
-        return []
-    lines = [
-        "## Lightning's per-step pieces alone: Lightning's own against the strategy's",
-        "",
-        "Each piece of Lightning's training loop that the strategy or `TorchRecModule` replaces "
-        "during a fit, timed alone on one core, Lightning's code path against the one a fit "
-        f"runs; median (IQR) over {r['rounds']} interleaved rounds. Per step: how often a "
-        "training step at Lightning's defaults runs it. `python -m benchmarks.loop_pieces`.",
-        "",
-        "| piece | per step | Lightning's | the strategy's | saved per step |",
-        "|---|---|---|---|---|",
-    ]
-    total = 0.0
-    for name, v in r["pieces"].items():
-        lightning, ours = v["lightning"], v["strategy"]
-        total += v["saved_per_step_s"]
-        lines.append(
-            f"| {name} | {v['per_step']} | {1e6 * lightning['median']:.2f} us "
-            f"(IQR {1e6 * lightning['iqr']:.2f}) | {1e6 * ours['median']:.2f} us "
-            f"(IQR {1e6 * ours['iqr']:.2f}) | {1e6 * v['saved_per_step_s']:.1f} us |"
-        )
-    lines.append(f"| **all** | | | | **{1e6 * total:.1f} us** |")
-    return [*lines, ""]
-
-
 def overhead_table(out: Path) -> list[str]:
     """Benchmark 1: the Trainer against both raw loops, in blocks (empty without its file)."""
     r = _load(out, "strategy_overhead")
@@ -479,7 +449,6 @@ def table(out: Path) -> str:
     lines += step_cost_table(out)
     lines += phases_table(out)
     lines += instructions_table(out)
-    lines += loop_pieces_table(out)
     lines += vote_ahead_table(out)
     lines += semi_sync_table(out)
     lines += fork_race_table(out)

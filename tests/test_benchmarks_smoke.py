@@ -24,7 +24,7 @@ MULTI = [
     "pipeline_throughput",
     "step_phases",
 ]
-SINGLE = ["norm_throughput", "sampling_scale", "planner_scale", "fork_race", "loop_pieces"]
+SINGLE = ["norm_throughput", "sampling_scale", "planner_scale", "fork_race"]
 
 
 def _start(out: Path, names: list[str]) -> subprocess.Popen:
@@ -201,17 +201,6 @@ def test_markdown_table_has_every_section(results: Path) -> None:
     ):
         assert section in text
     assert "NaN" not in text and "nan" not in text.split()
-
-
-def test_each_loop_piece_is_timed_both_ways(results: Path) -> None:
-    pieces = _load(results, "loop_pieces")["pieces"]
-    assert len(pieces) == 4
-    for name, v in pieces.items():
-        for variant in ("lightning", "strategy"):
-            assert v[variant]["n"] == 3 and v[variant]["median"] > 0, (name, variant)
-        assert v["per_step"] >= 1
-    text = (results / "README.md").read_text()
-    assert "## Lightning's per-step pieces alone" in text and "| **all** |" in text
 
 
 def test_children_forked_after_a_collective_all_start(results: Path) -> None:

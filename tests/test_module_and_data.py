@@ -180,44 +180,6 @@ def test_train_loss_is_a_progress_bar_value_only_with_a_progress_bar(bar: bool) 
     assert "train/loss" in trainer.callback_metrics
 
 
-def test_what_lightning_sets_every_step_takes_the_short_path_and_nothing_else_does(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from lightning_torchrec.compat.lightning import PER_STEP_ATTRIBUTES
-    from tests.scripts.factory import cpu_trainer, tiny_data, tiny_dlrm
-
-    slow: list[str] = []
-    module_setattr = torch.nn.Module.__setattr__
-
-    def counted(self: torch.nn.Module, name: str, value: Any) -> None:
-        slow.append(name)
-        module_setattr(self, name, value)
-
-    class HookNames(Callback):
-        def __init__(self) -> None:
-            self.seen: list[Any] = []
-
-        def on_train_batch_start(self, trainer: Any, module: Any, *args: Any) -> None:
-            self.seen.append(module._current_fx_name)
-
-    names = HookNames()
-    module = tiny_dlrm()
-    monkeypatch.setattr(torch.nn.Module, "__setattr__", counted)
-    cpu_trainer(max_steps=3, limit_val_batches=0, callbacks=[names]).fit(
-        module, datamodule=tiny_data()
-    )
-    # Lightning still names each hook on the module (the installed version uses this name)...
-    assert names.seen == ["on_train_batch_start"] * 3
-    # ... without nn.Module's lookups, which everything else still goes through.
-    assert not PER_STEP_ATTRIBUTES & set(slow)
-    module.extra = torch.nn.Linear(2, 2)
-    module.scale = torch.nn.Parameter(torch.ones(1))
-    assert "extra" in dict(module.named_children()) and slow[-2:] == ["extra", "scale"]
-    assert "scale" in dict(module.named_parameters())
-    with pytest.raises(TypeError, match="cannot assign"):  # a module's own checks still hold
-        module.scale = torch.ones(1)
-
-
 class _Refreshes(Callback):
     """The bar's count after each training batch, and whether ``train/loss`` was fresh then."""
 
@@ -232,19 +194,16 @@ class _Refreshes(Callback):
         self.fresh.append(shown == pytest.approx(float(outputs["loss"]), abs=1e-6))
 
 
-@pytest.mark.parametrize("interval", ["0", "1000"])
-def test_the_default_bar_refreshes_as_tqdm_would_and_the_loss_is_logged_for_its_refreshes(
-    interval: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.parametrize("rate", [1, 3])
+def test_the_loss_is_put_in_the_bar_at_the_batches_it_refreshes_after(rate: int) -> None:
     import lightning as L
     from lightning.pytorch.callbacks import TQDMProgressBar
 
     from lightning_torchrec import TorchRecStrategy
     from tests.scripts.factory import QUIET, table_wise, tiny_data, tiny_dlrm
 
-    monkeypatch.setenv("TQDM_MININTERVAL", interval)
     seen = _Refreshes()
-    bar = TQDMProgressBar()  # Lightning's default bar, placed before the callback reading it
+    bar = TQDMProgressBar(refresh_rate=rate)  # placed before the callback reading it
     trainer = L.Trainer(
         strategy=TorchRecStrategy(constraints=table_wise(2), log_plan=False),
         devices=1,
@@ -254,83 +213,49 @@ def test_the_default_bar_refreshes_as_tqdm_would_and_the_loss_is_logged_for_its_
         **(QUIET | {"enable_progress_bar": True}),
     )
     trainer.fit(tiny_dlrm(), datamodule=tiny_data(train_batches=6))
-    if interval == "0":  # TQDM_MININTERVAL=0: Lightning's cadence, every batch
+    if rate == 1:  # Lightning's default bar, left as it is: a refresh at every batch
         assert seen.counts == [1, 2, 3, 4, 5, 6] and all(seen.fresh)
-    else:  # at most one refresh per interval, and always the last batch's
-        assert seen.counts == [1, 1, 1, 1, 1, 6]
-        assert seen.fresh == [True, False, False, False, False, True]
-    assert "_should_update" not in vars(bar)  # undone in teardown
-
-
-def test_only_lightnings_default_bar_is_throttled(monkeypatch: pytest.MonkeyPatch) -> None:
-    import lightning as L
-    from lightning.pytorch.callbacks import TQDMProgressBar
-
-    from lightning_torchrec.compat.lightning import progress_bar_refreshes, throttle_progress_bar
-
-    class Mine(TQDMProgressBar):
-        pass
-
-    monkeypatch.setenv("TQDM_MININTERVAL", "1000")
-    for bar in (Mine(), TQDMProgressBar(refresh_rate=3)):
-        trainer = L.Trainer(callbacks=[bar], logger=False, enable_checkpointing=False)
-        throttle_progress_bar(trainer)()
-        assert "_should_update" not in vars(bar)
-    trainer = L.Trainer(logger=False, enable_checkpointing=False)
-    bar = trainer.progress_bar_callback
-    undo = throttle_progress_bar(trainer)
-    should = bar._should_update
-    # A question about a batch records nothing: the bar still refreshes at that batch's end.
-    assert should.due(1, 10) and should.due(1, 10) and should(1, 10)
-    assert not should.due(2, 10) and not should(2, 10) and should(10, 10)
-    bar.disable()  # as on every rank but 0: no refresh, so no loss logged for it
-    assert not progress_bar_refreshes(trainer, 9)
-    undo()
+    else:  # every third batch, and the loss given to the bar for those only
+        assert seen.counts == [0, 0, 3, 3, 3, 6]
+        assert seen.fresh == [False, False, True, False, False, True]
     assert "_should_update" not in vars(bar)
 
 
-class _ProfileSeen(Callback):
-    """What the Trainer's profiler gives for a hook's context, seen inside a training step."""
-
-    def __init__(self) -> None:
-        self.contexts: list[Any] = []
-
-    def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
-        with trainer.profiler.profile("[Callback]probe") as name:
-            self.contexts.append((type(trainer.profiler.profile("x")).__name__, name))
-
-
-def test_the_default_profiler_does_no_work_per_hook_and_others_still_record_every_hook() -> None:
+def test_asking_whether_the_bar_refreshes_records_nothing() -> None:
     import lightning as L
-    from lightning.pytorch.profilers import PassThroughProfiler, SimpleProfiler
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    from lightning_torchrec.compat.lightning import progress_bar_refreshes
+
+    trainer = L.Trainer(
+        callbacks=[TQDMProgressBar(refresh_rate=3)], logger=False, enable_checkpointing=False
+    )
+    assert not progress_bar_refreshes(trainer, 0) and not progress_bar_refreshes(trainer, 1)
+    assert progress_bar_refreshes(trainer, 2) and progress_bar_refreshes(trainer, 2)
+    assert progress_bar_refreshes(trainer, 5)
+    trainer.progress_bar_callback.disable()  # as on every rank but 0: no loss given to it
+    assert not progress_bar_refreshes(trainer, 2)
+    assert not progress_bar_refreshes(L.Trainer(enable_progress_bar=False, logger=False), 2)
+
+
+def test_a_profiler_records_the_strategys_hooks() -> None:
+    import lightning as L
+    from lightning.pytorch.profilers import SimpleProfiler
 
     from lightning_torchrec import TorchRecStrategy
     from tests.scripts.factory import QUIET, table_wise, tiny_data, tiny_dlrm
 
-    def fit(profiler: Any) -> tuple[L.Trainer, list[Any]]:
-        seen = _ProfileSeen()
-        trainer = L.Trainer(
-            strategy=TorchRecStrategy(constraints=table_wise(2), log_plan=False),
-            devices=1,
-            max_steps=3,
-            limit_val_batches=0,
-            callbacks=[seen],
-            profiler=profiler,
-            **QUIET,
-        )
-        trainer.fit(tiny_dlrm(), datamodule=tiny_data(train_batches=6))
-        return trainer, seen.contexts
-
-    trainer, contexts = fit(None)
-    assert type(trainer.profiler) is PassThroughProfiler
-    assert contexts == [("nullcontext", "[Callback]probe")] * 3  # the name still yielded
-    assert "profile" not in vars(trainer.profiler)  # undone in teardown
     simple = SimpleProfiler()
-    trainer, contexts = fit(simple)
-    assert {kind for kind, _ in contexts} == {"_GeneratorContextManager"}
-    hooks = simple.recorded_durations
-    assert len(hooks["[Strategy]TorchRecStrategy.training_step"]) == 3
-    assert len(hooks["[Callback]probe"]) == 3
+    trainer = L.Trainer(
+        strategy=TorchRecStrategy(constraints=table_wise(2), log_plan=False),
+        devices=1,
+        max_steps=3,
+        limit_val_batches=0,
+        profiler=simple,
+        **QUIET,
+    )
+    trainer.fit(tiny_dlrm(), datamodule=tiny_data(train_batches=6))
+    assert len(simple.recorded_durations["[Strategy]TorchRecStrategy.training_step"]) == 3
 
 
 class _LossSeen(Callback):

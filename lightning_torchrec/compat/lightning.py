@@ -7,29 +7,17 @@ below the glue (``lightning_torchrec.lightning``) imports this module.
 from __future__ import annotations
 
 import contextlib
-import math
-import os
 import sys
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import convert_inf
-from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.strategies.launchers.multiprocessing import (
     _MultiProcessingLauncher,
     _WorkerOutput,
 )
 from typing_extensions import override
-
-#: The attributes Lightning sets on the LightningModule at every training step (lightning 2.0+):
-#: ``_current_fx_name`` before and after each hook call (44 times a step), a hook's name or None;
-#: and ``forward``, twice a step, when a wrapped model's ``training_step`` is reached through the
-#: wrapper's forward (``Strategy._forward_redirection``), a function. Never a parameter, buffer or
-#: submodule.
-PER_STEP_ATTRIBUTES = frozenset({"_current_fx_name", "forward"})
 
 
 def layer_sync(strategy: Any) -> Any:
@@ -75,91 +63,12 @@ def _no_broadcast() -> None:
     """The SIGTERM broadcast, taken over by the strategy's step vote."""
 
 
-class _Throttle:
-    """``TQDMProgressBar._should_update`` (lightning 2.0+), refreshing at most every ``interval``.
-
-    The bar calls it once per batch end (training, validation, test, predict); it still
-    refreshes at the last batch of a loop, so the count it ends on is exact.
-    """
-
-    def __init__(self, counting: Callable[[int, Any], bool], interval: float) -> None:
-        self.counting, self.interval, self.last = counting, interval, -math.inf
-
-    def due(self, current: int, total: Any) -> bool:
-        """Whether the bar would refresh at this batch, were it to end now (nothing recorded)."""
-        if not self.counting(current, total):
-            return False
-        return current == total or time.monotonic() - self.last >= self.interval
-
-    def __call__(self, current: int, total: Any) -> bool:
-        if not self.due(current, total):
-            return False
-        self.last = time.monotonic()
-        return True
-
-
-def throttle_progress_bar(trainer: Any) -> Callable[[], None]:
-    """Refreshes Lightning's default progress bar as tqdm itself would; returns the undo.
-
-    Lightning's ``TQDMProgressBar`` at its default ``refresh_rate=1`` refreshes at every
-    batch, twice (the count, then the values), and reads every progress-bar value to do so,
-    bypassing tqdm's own ``mininterval``: host work on every step, worth up to a tenth of a
-    short GPU step. Throttled here to at most one refresh per ``mininterval`` (tqdm's 0.1 s,
-    or ``TQDM_MININTERVAL``; ``0`` refreshes at every batch again) plus the last batch of each
-    loop. A bar of another kind, a subclass, or another ``refresh_rate`` is left as it is.
-
-    Args:
-        trainer: the Trainer about to run.
-
-    Returns:
-        A function that restores the bar's own cadence (call it in teardown).
-    """
-    bar = trainer.progress_bar_callback
-    interval = float(os.environ.get("TQDM_MININTERVAL", "0.1"))
-    if type(bar) is not TQDMProgressBar or bar.refresh_rate != 1 or interval <= 0:
-        return lambda: None
-    vars(bar)["_should_update"] = _Throttle(bar._should_update, interval)
-    return lambda: vars(bar).pop("_should_update", None)
-
-
-def quiet_default_profiler(trainer: Any) -> Callable[[], None]:
-    """Gives Lightning's default profiler a context without work; returns the undo.
-
-    With no profiler configured, the Trainer still runs every hook call (41 a training step at
-    Lightning's defaults) inside ``PassThroughProfiler.profile``: a generator-based context
-    manager calling ``start`` and ``stop``, which do nothing, about 1.2 us each. Here its
-    ``profile`` is ``contextlib.nullcontext`` (it yields the action's name too, at a fifth of
-    the cost). A profiler of another kind, a subclass included, is left as it is.
-
-    Args:
-        trainer: the Trainer about to run.
-
-    Returns:
-        A function that restores the profiler's own ``profile`` (call it in teardown).
-    """
-    profiler = trainer.profiler
-    if type(profiler) is not PassThroughProfiler:
-        return lambda: None
-    vars(profiler)["profile"] = contextlib.nullcontext
-    return lambda: vars(profiler).pop("profile", None)
-
-
-def lighter_defaults(trainer: Any) -> Callable[[], None]:
-    """:func:`throttle_progress_bar` and :func:`quiet_default_profiler`; returns both undos."""
-    undo_bar, undo_profiler = throttle_progress_bar(trainer), quiet_default_profiler(trainer)
-
-    def undo() -> None:
-        undo_bar()
-        undo_profiler()
-
-    return undo
-
-
 def progress_bar_refreshes(trainer: Any, batch_idx: int) -> bool:
     """Whether the progress bar refreshes after training batch ``batch_idx``, were it to end now.
 
-    Asks the bar's ``_should_update`` (``TQDMProgressBar``, lightning 2.0+; throttled or not)
-    without recording anything; a bar without one is taken to refresh at every batch.
+    Asks the bar's ``_should_update(current, total)`` (``TQDMProgressBar``, lightning 2.0+: its
+    ``refresh_rate`` and the loop's last batch), which records nothing; a bar without one is
+    taken to refresh at every batch.
 
     Args:
         trainer: the Trainer, during a training step.
@@ -175,7 +84,7 @@ def progress_bar_refreshes(trainer: Any, batch_idx: int) -> bool:
     if should is None:
         return True
     total = convert_inf(trainer.num_training_batches)  # the bar's total_train_batches
-    return bool(getattr(should, "due", should)(batch_idx + 1, total))
+    return bool(should(batch_idx + 1, total))
 
 
 def show_in_progress_bar(trainer: Any, name: str, value: float) -> None:

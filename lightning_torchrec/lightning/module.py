@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import types
 from typing import IO, Any
 
 import lightning as L
@@ -13,17 +12,10 @@ from torchmetrics.classification import BinaryAUROC
 
 from lightning_torchrec.checkpoint import load_unsharded
 from lightning_torchrec.checkpoint.paths import local_path
-from lightning_torchrec.compat.lightning import (
-    PER_STEP_ATTRIBUTES,
-    progress_bar_refreshes,
-    show_in_progress_bar,
-)
+from lightning_torchrec.compat.lightning import progress_bar_refreshes, show_in_progress_bar
 from lightning_torchrec.models.model_and_loss import ModelAndLoss
 from lightning_torchrec.training.metrics import RecMetrics
 from lightning_torchrec.training.optim import combine_optimizers, dense_parameters
-
-#: Values that are never a parameter, buffer or submodule (see ``TorchRecModule.__setattr__``).
-_PLAIN_VALUES = frozenset({str, type(None), types.FunctionType, types.MethodType})
 
 
 def default_optimizer(params: Any) -> torch.optim.Optimizer:
@@ -93,8 +85,8 @@ class TorchRecModule(L.LightningModule):
             (``log_every_n_steps``) and the last step of the fit or epoch; 1: every step (for a
             callback reading ``trainer.callback_metrics["train/loss"]`` at every step). The
             progress bar gets ``train/loss`` apart from these logs, without ``self.log``, at
-            the steps it refreshes after (on the CPU only, and on the rank that shows it; under
-            ``TorchRecStrategy`` Lightning's default bar refreshes at most every 0.1 s).
+            the steps it refreshes after (its ``refresh_rate``; on the CPU only, and on the rank
+            that shows it).
     """
 
     #: FLOPs of one training batch for Lightning's ``ThroughputMonitor``; None: not measured.
@@ -128,24 +120,6 @@ class TorchRecModule(L.LightningModule):
         self.train_loss_every_n_steps = train_loss_every_n_steps
         # Plain attribute, not submodules: metric states stay out of state_dict and checkpoints.
         self.rec_metrics: dict[str, RecMetrics] = {}
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        """Sets an attribute; what Lightning sets at every step takes a short path.
-
-        ``nn.Module.__setattr__`` looks every value up among the parameters, buffers and
-        submodules (1.9 us; its ``isinstance`` checks go through ``Parameter``'s metaclass), and
-        Lightning sets the running hook's name 44 times a training step and swaps ``forward``
-        twice. For a string, None or a function under one of those names,
-        ``object.__setattr__`` does what ``nn.Module`` would, in 0.2 us.
-
-        Args:
-            name: the attribute.
-            value: its value.
-        """
-        if name in PER_STEP_ATTRIBUTES and type(value) in _PLAIN_VALUES:
-            object.__setattr__(self, name, value)
-        else:
-            super().__setattr__(name, value)
 
     def _metrics(self, stage: str) -> RecMetrics:
         if stage not in self.rec_metrics:

@@ -22,9 +22,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_torchrec.checkpoint.paths import local_path
-from lightning_torchrec.compat.lightning import lighter_defaults
 from lightning_torchrec.compat.lightning_callbacks import pruning_targets, summarize_with
-from lightning_torchrec.compat.lightning_step import lighter_training_step
 from lightning_torchrec.lightning.summary import WholeTableSummary
 from lightning_torchrec.sharding.plan_summary import PlanSummary
 from lightning_torchrec.sharding.sharders import has_fused_tables
@@ -134,28 +132,19 @@ def check_pruning(trainer: Any) -> None:
 
 
 def adapt_trainer_defaults(trainer: Any) -> Callable[[], None]:
-    """Lightning's defaults made light and right for a sharded model; returns the undo.
+    """Lightning's model summary made right for a sharded model; returns the undo.
 
-    No progress-bar, profiler, signature or loss-division work per step
-    (:func:`~lightning_torchrec.compat.lightning.lighter_defaults`,
-    :func:`~lightning_torchrec.compat.lightning_step.lighter_training_step`), and the model
-    summary counting each sharded table whole
-    (:class:`~lightning_torchrec.lightning.summary.WholeTableSummary`).
+    The Trainer's ``ModelSummary``/``RichModelSummary`` callbacks count each sharded table whole
+    (:class:`~lightning_torchrec.lightning.summary.WholeTableSummary`) instead of the rank's
+    own pieces of it. Nothing else of the Trainer's defaults is changed.
 
     Args:
         trainer: the Trainer being set up.
 
     Returns:
-        A function that undoes all three (call it in teardown).
+        A function that gives the callbacks Lightning's own summary back (call it in teardown).
     """
-    summary = summarize_with(trainer, lambda m, depth: WholeTableSummary(m, max_depth=depth))
-    undos = (lighter_defaults(trainer), lighter_training_step(trainer), summary)
-
-    def undo() -> None:
-        for each in undos:
-            each()
-
-    return undo
+    return summarize_with(trainer, lambda m, depth: WholeTableSummary(m, max_depth=depth))
 
 
 def _callback(trainer: Any, kind: type) -> Any:
