@@ -25,8 +25,7 @@ from lightning_torchrec import DLRMClickModule, SyntheticClickData, TorchRecStra
 from lightning_torchrec.errors import BatchValidationError
 from lightning_torchrec.lightning.trainer_setup import BATCH_HOOKS, accumulation, batch_hooks
 from lightning_torchrec.training.pipelines import PipelineConfig
-from lightning_torchrec.training.step_runner import StepRunner
-from lightning_torchrec.training.steps import StepMode, choose_mode
+from lightning_torchrec.training.steps import StepMode, StepRunner, choose_mode
 from tests.helpers import assert_same, load_ranks, run_script
 from tests.scripts.factory import ROWS, cpu_trainer, table_wise, tiny_data, tiny_dlrm
 

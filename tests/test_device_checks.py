@@ -36,7 +36,7 @@ from lightning_torchrec.training.device_checks import (
     device_flags,
     judged_next_step,
 )
-from lightning_torchrec.training.step_runner import StepRunner
+from lightning_torchrec.training.steps import StepRunner
 from tests.scripts.factory import cpu_trainer, sharding_constraints, table_wise
 from tests.test_validation import SPECS, _Batches, batch, model
 

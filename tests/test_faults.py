@@ -18,7 +18,7 @@ from lightning_torchrec.errors import NonFiniteLossError, UnevenDataError
 from lightning_torchrec.lightning.preemption import PreemptionCheckpoint
 from lightning_torchrec.training.finite import nonfinite_tensors
 from lightning_torchrec.training.step_guard import StepGuard, loss_to_judge
-from lightning_torchrec.training.step_runner import StepRunner
+from lightning_torchrec.training.steps import StepRunner
 from tests.scripts.factory import cpu_trainer, tiny_data, tiny_dlrm
 from tests.test_distributed import FakeWorld
 

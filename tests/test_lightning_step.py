@@ -50,7 +50,7 @@ def test_steps_without_batch_idx_are_run_at_lightnings_index(
     # The runner's read-ahead, vote coverage and uneven-data counts follow the batch index: a
     # `training_step(self, batch)` (Lightning passes it no index) must not be run at index 0.
     from lightning_torchrec import TorchRecStrategy
-    from lightning_torchrec.training.step_runner import StepRunner
+    from lightning_torchrec.training.steps import StepRunner
     from tests.scripts.factory import cpu_trainer, table_wise, tiny_data, tiny_dlrm
 
     module = tiny_dlrm()

@@ -16,10 +16,8 @@ from lightning_torchrec import DLRMClickModule, TorchRecStrategy
 from lightning_torchrec.errors import NonFiniteLossError
 from lightning_torchrec.lightning.trainer_setup import batch_hooks
 from lightning_torchrec.sharding.features import FeatureSpec
-from lightning_torchrec.training.pipeline_feed import Peek, Split
-from lightning_torchrec.training.pipelines import SEMI_SYNC_START_BATCH, PipelineConfig
-from lightning_torchrec.training.step_runner import StepRunner
-from lightning_torchrec.training.steps import StepMode, UnpipelinedStep, choose_mode
+from lightning_torchrec.training.pipelines import SEMI_SYNC_START_BATCH, Peek, PipelineConfig, Split
+from lightning_torchrec.training.steps import StepMode, StepRunner, UnpipelinedStep, choose_mode
 from tests.scripts.factory import cpu_trainer, table_wise, tiny_data, tiny_dlrm
 
 

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_torchrec.compat.worker_fork import AFFECTED, QuietForkContext, fork_safely
 from lightning_torchrec.fabric import TorchRecFabricStrategy
-from lightning_torchrec.training.step_runner import StepRunner
+from lightning_torchrec.training.steps import StepRunner
 
 pytestmark = pytest.mark.skipif(not AFFECTED, reason="the interpreter re-inits the lock itself")
 

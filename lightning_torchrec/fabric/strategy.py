@@ -51,7 +51,7 @@ from lightning_torchrec.sharding.tables import unwrap
 from lightning_torchrec.training.optim import DenseAndFusedOptimizer
 from lightning_torchrec.training.run import ShardedRun, check_precision, push_fused_lr
 from lightning_torchrec.training.step_guard import StepGuard
-from lightning_torchrec.training.step_runner import BATCH_CHECKS, StepRunner
+from lightning_torchrec.training.steps import BATCH_CHECKS, StepRunner
 
 #: Fabric's warning about a model on several devices (meta tables, CPU dense layers).
 MIXED_DEVICES_WARNING = r"The model passed to `Fabric.setup\(\)` has \d+ parameters on different"

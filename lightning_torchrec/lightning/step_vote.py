@@ -17,7 +17,7 @@ from typing_extensions import override
 
 from lightning_torchrec.compat.lightning import take_over_sigterm_broadcast
 from lightning_torchrec.errors import StopRequested
-from lightning_torchrec.training.step_runner import StepRunner
+from lightning_torchrec.training.steps import StepRunner
 
 
 class StepVote(Callback):

@@ -72,8 +72,12 @@ from lightning_torchrec.training.optim import combine_with_schedulers, keyed_fur
 from lightning_torchrec.training.pipelines import PipelineConfig
 from lightning_torchrec.training.run import ShardedRun, push_fused_lr
 from lightning_torchrec.training.step_guard import StepGuard
-from lightning_torchrec.training.step_runner import BATCH_CHECKS, StepRunner
-from lightning_torchrec.training.steps import check_accumulation, choose_mode
+from lightning_torchrec.training.steps import (
+    BATCH_CHECKS,
+    StepRunner,
+    check_accumulation,
+    choose_mode,
+)
 
 #: ``TorchRecStrategy``'s default ``peer_timeout``.
 PEER_TIMEOUT = timedelta(minutes=5)

@@ -8,7 +8,7 @@ ends over one :class:`ShardedRun`. It does what both do, in one place:
   group that keeps each step's vote on the host (:meth:`ShardedRun.open_host_group`);
 * the sharding: :func:`~lightning_torchrec.sharding.planning.shard_model` under the collective
   wrapper (a dead peer is named), the plan printed once;
-* the steps: a :class:`~lightning_torchrec.training.step_runner.StepRunner` per sharded run;
+* the steps: a :class:`~lightning_torchrec.training.steps.StepRunner` per sharded run;
 * the collectives of the front end (barriers, broadcasts, reductions), each of which names a
   peer that died (:meth:`ShardedRun.collective`);
 * the fused embedding optimizer's learning rate, pushed into the kernels before each forward
@@ -43,8 +43,7 @@ from lightning_torchrec.errors import PeerFailureError
 from lightning_torchrec.failure_reports import begin_run, post
 from lightning_torchrec.sharding.planning import ShardedModel, ShardingConfig, shard_model
 from lightning_torchrec.training.optim import DenseAndFusedOptimizer
-from lightning_torchrec.training.step_runner import StepRunner
-from lightning_torchrec.training.steps import StepMode
+from lightning_torchrec.training.steps import StepMode, StepRunner
 
 
 def push_fused_lr(optimizers: Iterable[Any]) -> None:
@@ -229,7 +228,7 @@ class ShardedRun:
             transformed: the front end changes batches after the loader.
 
         Returns:
-            The new :class:`~lightning_torchrec.training.step_runner.StepRunner`.
+            The new :class:`~lightning_torchrec.training.steps.StepRunner`.
         """
         assert self.sharded is not None, "shard() first"
         if self.runner is not None:
