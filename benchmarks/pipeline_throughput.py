@@ -82,7 +82,14 @@ VARIANTS = [
 DEFAULT_VARIANTS = {"trainer_defaults": True, "trainer_parity": False}
 SEMI_SYNC_VARIANTS = ["trainer_semi_sync", "raw_semi_sync"]
 NOCHECKS = "_nochecks"
-SIZES = {"demo": ModelSize.demo, "benchmark": ModelSize, "tiny": ModelSize.tiny}
+#: ``host_bound``: small tables and batches (8 x 2,000 x 64, batch 64), where the host's Python
+#: work is most of a step, so what the Trainer adds to it shows most.
+SIZES = {
+    "demo": ModelSize.demo,
+    "benchmark": ModelSize,
+    "host_bound": ModelSize.host_bound,
+    "tiny": ModelSize.tiny,
+}
 
 
 def rounds_parser(
@@ -516,7 +523,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--devices", type=int, default=2, help="ranks (one per device on CUDA)")
     p.add_argument(
-        "--sizes", default=None, help="comma list of demo,benchmark,tiny (default: demo,benchmark)"
+        "--sizes",
+        default=None,
+        help="comma list of demo,benchmark,host_bound,tiny (default: demo,benchmark)",
     )
     p.add_argument(
         "--batch-size",
