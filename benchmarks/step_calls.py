@@ -157,8 +157,20 @@ def summarize_counts(counter: CallCounter) -> dict[str, Any]:
         group = groups.setdefault(top, {"files": 0, "calls_per_step": 0.0})
         group["files"] += 1
         group["calls_per_step"] += calls / n
+    # Where a step that differs from the first counted one differs, file by file.
+    first = {label(k, prefixes): v for k, v in counter.per_step[0][2].items()}
+    differing: dict[str, dict[str, int]] = {}
+    for i, (calls, _, step_files) in enumerate(counter.per_step):
+        if calls == counter.per_step[0][0]:
+            continue
+        here = {label(k, prefixes): v for k, v in step_files.items()}
+        delta = {k: here.get(k, 0) - first.get(k, 0) for k in {*here, *first}}
+        differing[str(counter.warmup + i)] = dict(
+            sorted(((k, d) for k, d in delta.items() if d), key=lambda kv: -abs(kv[1]))
+        )
     return {
         "calls_per_step": sum(c for c, _, _ in counter.per_step) / n,
+        "steps_differing_from_the_first": differing,
         "c_calls_per_step": sum(c for _, c, _ in counter.per_step) / n,
         "calls_by_step": [c for c, _, _ in counter.per_step],
         "c_calls_by_step": [c for _, c, _ in counter.per_step],
