@@ -521,6 +521,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--name", default=None, help="result file name (default: by accelerator)")
     p.add_argument("--devices", type=int, default=2, help="ranks (one per device on CUDA)")
     p.add_argument(
         "--sizes",
@@ -598,7 +599,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                 f"process group); got {chosen}"
             )
         variants = chosen
-    if args.accelerator == "cuda":
+    if args.name:
+        name = args.name
+    elif args.accelerator == "cuda":
         name = "pipeline_throughput_cuda"
     elif setup.world == 2:
         name = "pipeline_throughput"
