@@ -162,6 +162,11 @@ class ModelSize:
         return cls(tables=8, rows=200, dim=16, ids_per_feature=2, batch_size=512)
 
     @classmethod
+    def host_bound(cls) -> ModelSize:
+        """Small tables, small batches (8 x 2,000 x 64, batch 64): the host's work leads a step."""
+        return cls(tables=8, rows=2_000, dim=64, batch_size=64)
+
+    @classmethod
     def tiny(cls) -> ModelSize:
         """Sizes for smoke tests."""
         return cls(tables=4, rows=200, dim=8, ids_per_feature=2, batch_size=32)

@@ -23,7 +23,9 @@ What remains after the last is Lightning's loop itself (hooks, closures, the opt
 and the pipeline's own work. ``raw_sparse_dist`` is TorchRec's sparse-dist loop written by hand,
 the fastest synchronous raw loop on 2 CPU ranks. Ratios: step time / ``raw_base``'s.
 
-Run: ``python -m benchmarks.lightning_step_cost [--size tiny|demo|benchmark] [--rounds 5]``.
+Run: ``python -m benchmarks.lightning_step_cost [--size tiny|demo|benchmark|host_bound]
+[--rounds 5]`` (``host_bound``: 8 tables x 2,000 rows x 64, batch 64, where the host's work
+is most of a step); writes ``lightning_step_cost_SIZE.json``.
 """
 
 from __future__ import annotations

@@ -82,7 +82,14 @@ VARIANTS = [
 DEFAULT_VARIANTS = {"trainer_defaults": True, "trainer_parity": False}
 SEMI_SYNC_VARIANTS = ["trainer_semi_sync", "raw_semi_sync"]
 NOCHECKS = "_nochecks"
-SIZES = {"demo": ModelSize.demo, "benchmark": ModelSize, "tiny": ModelSize.tiny}
+#: ``host_bound``: small tables and batches (8 x 2,000 x 64, batch 64), where the host's Python
+#: work is most of a step, so what the Trainer adds to it shows most.
+SIZES = {
+    "demo": ModelSize.demo,
+    "benchmark": ModelSize,
+    "host_bound": ModelSize.host_bound,
+    "tiny": ModelSize.tiny,
+}
 
 
 def rounds_parser(
@@ -514,9 +521,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--name", default=None, help="result file name (default: by accelerator)")
     p.add_argument("--devices", type=int, default=2, help="ranks (one per device on CUDA)")
     p.add_argument(
-        "--sizes", default=None, help="comma list of demo,benchmark,tiny (default: demo,benchmark)"
+        "--sizes",
+        default=None,
+        help="comma list of demo,benchmark,host_bound,tiny (default: demo,benchmark)",
     )
     p.add_argument(
         "--batch-size",
@@ -589,7 +599,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                 f"process group); got {chosen}"
             )
         variants = chosen
-    if args.accelerator == "cuda":
+    if args.name:
+        name = args.name
+    elif args.accelerator == "cuda":
         name = "pipeline_throughput_cuda"
     elif setup.world == 2:
         name = "pipeline_throughput"

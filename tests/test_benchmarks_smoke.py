@@ -242,3 +242,68 @@ def test_the_sync_audit_sees_the_waits_cudas_debug_mode_misses() -> None:
         "called a synchronizing CUDA operation (CUDA event)",
         "called a synchronizing CUDA operation (torch.cuda.synchronize)",
     ]
+
+
+def test_the_call_counter_counts_each_call_of_a_step_once() -> None:
+    from benchmarks.step_calls import CallCounter, _stable
+
+    def leaf() -> int:
+        return len([1])  # one C call
+
+    def body() -> None:
+        leaf()
+        leaf()
+
+    counter = CallCounter(warmup=1, steps=3)
+    for _ in range(4):
+        counter.mark()
+        body()
+    counter.mark()
+    assert counter.done
+    # Per step: body and two leaves (Python), two len (C); nothing of the loop's or mark's own.
+    assert [(c, cc) for c, cc, _ in counter.per_step] == [(3, 2)] * 3
+    assert all(sum(files.values()) == 3 for _, _, files in counter.per_step)
+    run = {"calls_by_step": [3, 3], "c_calls_by_step": [2, 2], "all_files": {"a.py": 3}}
+    assert _stable([run, dict(run)])
+    assert not _stable([run, {**run, "calls_by_step": [3, 4]}])
+
+
+def test_step_calls_counts_a_steady_step_the_same_twice(tmp_path: Path) -> None:
+    # One 2-rank launch: the sparse-dist raw loop and the Trainer at parity, each run twice.
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.step_calls",
+            "--size",
+            "tiny",
+            "--warmup",
+            "4",  # at 2, the first counted step still differs (the run's first in its process)
+            "--steps",
+            "2",
+            "--variants",
+            "raw_sparse_dist,trainer_parity",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env=clean_env(OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-8000:]
+    r = _load(tmp_path, "step_calls_tiny")
+    for name, v in r["variants"].items():
+        assert v["repeats"] == 2 and v["identical_in_every_repeat"], name
+        assert v["same_in_every_step"], name
+        first, second = v["calls_by_step_by_repeat"]
+        assert first == second and len(first) == 2 and min(first) > 0, name
+        assert v["c_calls_per_step"] > 0
+    trainer = r["variants"]["trainer_parity"]
+    assert "lightning_torchrec/lightning/module.py" in trainer["package_files"]
+    assert all(calls > 0 for calls in trainer["package_files"].values())
+    assert r["variants"]["raw_sparse_dist"]["ratio_to_raw_sparse_dist"] == 1.0
+    assert trainer["ratio_to_raw_sparse_dist"] > 1.0
+    text = (tmp_path / "step_calls_tiny.txt").read_text()
+    assert "lightning_torchrec/lightning/module.py" in text
