@@ -49,9 +49,13 @@ from lightning_torchrec.sharding.planning import ShardingConfig
 from lightning_torchrec.sharding.sharders import has_fused_tables
 from lightning_torchrec.sharding.tables import unwrap
 from lightning_torchrec.training.optim import DenseAndFusedOptimizer
-from lightning_torchrec.training.run import ShardedRun, check_precision, push_fused_lr
-from lightning_torchrec.training.step_guard import StepGuard
-from lightning_torchrec.training.steps import BATCH_CHECKS, StepRunner
+from lightning_torchrec.training.run import (
+    ShardedRun,
+    check_precision,
+    push_fused_lr,
+    register_names,
+)
+from lightning_torchrec.training.steps import StepRunner
 
 #: Fabric's warning about a model on several devices (meta tables, CPU dense layers).
 MIXED_DEVICES_WARNING = r"The model passed to `Fabric.setup\(\)` has \d+ parameters on different"
@@ -139,10 +143,14 @@ class TorchRecFabricStrategy(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        if batch_checks not in BATCH_CHECKS:
-            raise ValueError(f"batch_checks must be one of {BATCH_CHECKS}, got {batch_checks!r}")
-        self.sharding = ShardingConfig(sharders, plan, constraints, fused_params, planner)
-        StepGuard(on_nonfinite_loss)  # refuses an unknown mode now, not at setup
+        self.run = ShardedRun(  # refuses a bad setting now, not at setup
+            ShardingConfig(sharders, plan, constraints, fused_params, planner),
+            timeout=timeout,
+            data_parallel_wrapper=data_parallel_wrapper,
+            batch_checks=batch_checks,
+            on_nonfinite_loss=on_nonfinite_loss,
+        )
+        self.sharding = self.run.sharding
         # Fabric warns that a model with tables on the meta device "will be moved"; this
         # strategy never moves it (DistributedModelParallel places the shards).
         warnings.filterwarnings("ignore", message=MIXED_DEVICES_WARNING)
@@ -155,9 +163,6 @@ class TorchRecFabricStrategy(DDPStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
             start_method=start_method,
-        )
-        self.run = ShardedRun(
-            self.sharding, timeout=timeout, data_parallel_wrapper=data_parallel_wrapper
         )
         self.data_parallel_wrapper = data_parallel_wrapper
         self.log_plan = log_plan
@@ -179,17 +184,17 @@ class TorchRecFabricStrategy(DDPStrategy):
     @property
     def dmp(self) -> DistributedModelParallel | None:
         """The ``DistributedModelParallel`` of the set-up module (None before setup)."""
-        return self.run.sharded.dmp if self.run.sharded is not None else None
+        return self.run.dmp
 
     @property
     def sharding_plan(self) -> ShardingPlan | None:
         """The plan in use after setup (before it: the plan given, if any)."""
-        return self.run.sharded.plan if self.run.sharded is not None else self.sharding.plan
+        return self.run.plan
 
     @property
     def plan_summary(self) -> PlanSummary | None:
         """The plan in use, readably (after setup)."""
-        return self.run.sharded.summary if self.run.sharded is not None else None
+        return self.run.summary
 
     @property
     def _runner(self) -> StepRunner | None:
@@ -498,16 +503,4 @@ class TorchRecFabricStrategy(DDPStrategy):
         Args:
             strategy_registry: Fabric's ``STRATEGY_REGISTRY``.
         """
-        for name, start_method in (
-            ("torchrec", "popen"),
-            ("torchrec_spawn", "spawn"),
-            ("torchrec_fork", "fork"),
-            ("torchrec_notebook", "fork"),
-        ):
-            strategy_registry.register(
-                name,
-                cls,
-                description=f"TorchRec sharded training with start_method '{start_method}'",
-                start_method=start_method,
-                override=True,
-            )
+        register_names(strategy_registry, cls)

@@ -70,10 +70,9 @@ from lightning_torchrec.sharding.sharders import has_fused_tables
 from lightning_torchrec.training.device_checks import judged_next_step
 from lightning_torchrec.training.optim import combine_with_schedulers, keyed_further
 from lightning_torchrec.training.pipelines import PipelineConfig
-from lightning_torchrec.training.run import ShardedRun, push_fused_lr
+from lightning_torchrec.training.run import ShardedRun, push_fused_lr, register_names
 from lightning_torchrec.training.step_guard import StepGuard
 from lightning_torchrec.training.steps import (
-    BATCH_CHECKS,
     StepRunner,
     check_accumulation,
     choose_mode,
@@ -211,12 +210,16 @@ class TorchRecStrategy(DDPStrategy):
         checkpoint_key: bytes | str | None = None,
         vote_ahead: bool = True,
     ) -> None:
-        if batch_checks not in BATCH_CHECKS:
-            raise ValueError(f"batch_checks must be one of {BATCH_CHECKS}, got {batch_checks!r}")
         self.batch_checks = batch_checks
         self.pipeline_config = PipelineConfig.parse(pipeline, pipeline_options)
-        self.sharding = ShardingConfig(sharders, plan, constraints, fused_params, planner)
-        StepGuard(on_nonfinite_loss)  # refuses an unknown mode now, not at setup
+        self.run = ShardedRun(  # refuses a bad setting now, not at setup
+            ShardingConfig(sharders, plan, constraints, fused_params, planner),
+            timeout=timeout,
+            data_parallel_wrapper=data_parallel_wrapper,
+            batch_checks=batch_checks,
+            on_nonfinite_loss=on_nonfinite_loss,
+        )
+        self.sharding = self.run.sharding
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -226,9 +229,6 @@ class TorchRecStrategy(DDPStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
             start_method=start_method,
-        )
-        self.run = ShardedRun(
-            self.sharding, timeout=timeout, data_parallel_wrapper=data_parallel_wrapper
         )
         self.data_parallel_wrapper = data_parallel_wrapper
         self.allow_fused_gradient_accumulation = allow_fused_gradient_accumulation
@@ -271,17 +271,17 @@ class TorchRecStrategy(DDPStrategy):
     @property
     def sharding_plan(self) -> ShardingPlan | None:
         """The plan in use after setup (before it: the plan given, if any)."""
-        return self.run.sharded.plan if self.run.sharded is not None else self.sharding.plan
+        return self.run.plan
 
     @property
     def dmp(self) -> DistributedModelParallel | None:
         """The ``DistributedModelParallel`` wrapping the LightningModule, after setup."""
-        return self.run.sharded.dmp if self.run.sharded is not None else None
+        return self.run.dmp
 
     @property
     def plan_summary(self) -> PlanSummary | None:
         """The plan in use, readably (after setup)."""
-        return self.run.sharded.summary if self.run.sharded is not None else None
+        return self.run.summary
 
     @property
     def _runner(self) -> StepRunner | None:
@@ -703,16 +703,4 @@ class TorchRecStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, start_method in (
-            ("torchrec", "popen"),
-            ("torchrec_spawn", "spawn"),
-            ("torchrec_fork", "fork"),
-            ("torchrec_notebook", "fork"),
-        ):
-            strategy_registry.register(
-                name,
-                cls,
-                description=f"TorchRec sharded training with start_method '{start_method}'",
-                start_method=start_method,
-                override=True,
-            )
+        register_names(strategy_registry, cls)

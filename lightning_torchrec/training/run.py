@@ -43,7 +43,8 @@ from lightning_torchrec.errors import PeerFailureError
 from lightning_torchrec.failure_reports import begin_run, post
 from lightning_torchrec.sharding.planning import ShardedModel, ShardingConfig, shard_model
 from lightning_torchrec.training.optim import DenseAndFusedOptimizer
-from lightning_torchrec.training.steps import StepMode, StepRunner
+from lightning_torchrec.training.step_guard import StepGuard
+from lightning_torchrec.training.steps import BATCH_CHECKS, StepMode, StepRunner
 
 
 def push_fused_lr(optimizers: Iterable[Any]) -> None:
@@ -91,13 +92,42 @@ def check_precision(precision: Any, fused_tables: bool) -> None:
         )
 
 
+def register_names(strategy_registry: Any, cls: type) -> None:
+    """Registers a front end's strategy as ``"torchrec"``, ``"torchrec_spawn"``, ``"_fork"``...
+
+    Args:
+        strategy_registry: the Trainer's or Fabric's strategy registry.
+        cls: the strategy class (its start method is set per name).
+    """
+    for name, start_method in (
+        ("torchrec", "popen"),
+        ("torchrec_spawn", "spawn"),
+        ("torchrec_fork", "fork"),
+        ("torchrec_notebook", "fork"),
+    ):
+        strategy_registry.register(
+            name,
+            cls,
+            description=f"TorchRec sharded training with start_method '{start_method}'",
+            start_method=start_method,
+            override=True,
+        )
+
+
 class ShardedRun:
     """What both front ends do around one sharded model (see the module docstring).
+
+    Built in the front end's constructor: a bad setting is refused there, not at set-up.
 
     Args:
         sharding: how to shard (sharders, plan, constraints, fused params, planner).
         timeout: the collective timeout (None: torch's default).
         data_parallel_wrapper: how DMP wraps the dense part.
+        batch_checks: when an unpipelined training batch is checked (see ``StepRunner``).
+        on_nonfinite_loss: ``"raise"`` or ``"ignore"``.
+
+    Raises:
+        ValueError: for an unknown ``batch_checks`` or ``on_nonfinite_loss``.
     """
 
     def __init__(
@@ -106,7 +136,12 @@ class ShardedRun:
         *,
         timeout: timedelta | None = None,
         data_parallel_wrapper: Any = None,
+        batch_checks: str = "auto",
+        on_nonfinite_loss: str = "raise",
     ) -> None:
+        if batch_checks not in BATCH_CHECKS:
+            raise ValueError(f"batch_checks must be one of {BATCH_CHECKS}, got {batch_checks!r}")
+        StepGuard(on_nonfinite_loss)  # refuses an unknown mode
         self.sharding = sharding
         self.timeout = timeout
         self.data_parallel_wrapper = data_parallel_wrapper
@@ -117,6 +152,21 @@ class ShardedRun:
         #: The gloo group of the votes (None: they run on the default group).
         self.host_group: Any = None
         self.vote_timeout: timedelta | None = None
+
+    @property
+    def dmp(self) -> Any:
+        """The ``DistributedModelParallel`` of the sharded model (None before :meth:`shard`)."""
+        return self.sharded.dmp if self.sharded is not None else None
+
+    @property
+    def plan(self) -> Any:
+        """The plan in use after :meth:`shard` (before it: the plan given, if any)."""
+        return self.sharded.plan if self.sharded is not None else self.sharding.plan
+
+    @property
+    def summary(self) -> Any:
+        """The plan in use, readably (None before :meth:`shard`)."""
+        return self.sharded.summary if self.sharded is not None else None
 
     # ------------------------------------------------------------------ process groups
     def start_group(self, backend: str, rank: int, world_size: int, device: torch.device) -> None:
