@@ -95,9 +95,10 @@ LAYERS: tuple[Layer, ...] = (
     ),
     Layer(
         "training",
-        "the step's pieces: batch checks, the step guard (non-finite losses, uneven data), the "
-        "combined dense and fused optimizer, norms, managed-collision counts, metrics, "
-        "TorchRec's train pipelines",
+        "the run both front ends share (``run``: groups, sharding, collectives, failures), the "
+        "step (``steps``: its owner and one object per mode), its vote (``step_guard``: bad "
+        "batches, non-finite losses, uneven data), batch checks, TorchRec's train pipelines, the "
+        "combined dense and fused optimizer, norms, managed-collision counts, metrics",
         (*_BASE, "sharding"),
     ),
     Layer(
@@ -113,7 +114,8 @@ LAYERS: tuple[Layer, ...] = (
     ),
     Layer(
         "lightning",
-        "the Trainer glue: ``TorchRecStrategy`` with its setup checks, checkpoint and data hooks; "
+        "the Trainer glue: ``TorchRecStrategy`` (one class) with its setup checks, checkpoint "
+        "save and load, the step vote's callback; "
         "``TorchRecModule``, ``DLRMClickModule``; the norm, managed-collision and preemption "
         "callbacks",
         (*_BASE, "data", "models", "sharding", "training", "checkpoint"),
