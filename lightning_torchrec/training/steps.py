@@ -338,7 +338,7 @@ class UnpipelinedStep(TrainStep):
     """``pipeline=None``: the vote, then the forward on the step's own batch.
 
     With the vote ahead the training loader is read one batch ahead (:class:`~lightning_torchrec.
-    training.pipeline_feed.Peek`), so the vote on the next batch runs during this step.
+    training.pipelines.Peek`), so the vote on the next batch runs during this step.
 
     Args:
         runner: the run it steps.
