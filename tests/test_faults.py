@@ -16,6 +16,7 @@ from lightning_torchrec import DLRMClickModule, TorchRecStrategy
 from lightning_torchrec.distributed import peer_failure
 from lightning_torchrec.errors import NonFiniteLossError, UnevenDataError
 from lightning_torchrec.lightning.preemption import PreemptionCheckpoint
+from lightning_torchrec.training import device_checks
 from lightning_torchrec.training.finite import nonfinite_tensors
 from lightning_torchrec.training.step_guard import StepGuard, loss_to_judge
 from lightning_torchrec.training.steps import StepRunner
@@ -247,3 +248,28 @@ def test_a_loss_of_several_numbers_is_judged_by_its_first_non_finite_one_on_its_
         assert str(float(picked)) == judged, (loss, picked)
     on_meta = loss_to_judge(torch.empty(3, device="meta"))  # no host read (item() would raise)
     assert on_meta.shape == (1,) and on_meta.device.type == "meta"
+
+
+def test_the_loss_is_recorded_through_the_copy_the_gpu_uses_on_the_cpu_too(monkeypatch) -> None:
+    # The same code on both devices: the one judged number is copied to a host buffer, a mark
+    # recorded after the copy, and waited on at the next vote; only the pinned buffer and the
+    # CUDA event are the GPU's own. A loss changed in place after its step (as a reused buffer
+    # would be) is judged as it was at its step, on the CPU as on CUDA.
+    marks: list[str] = []
+
+    class Mark(device_checks._Finished):
+        def record(self) -> None:
+            marks.append("record")
+
+        def synchronize(self) -> None:
+            marks.append("synchronize")
+
+    monkeypatch.setattr(device_checks, "_Finished", Mark)
+    guard = StepGuard("raise")
+    loss = torch.tensor([float("nan"), 1.0])
+    guard.record_loss(loss, 4)
+    loss.fill_(0.5)
+    assert marks == ["record"]
+    with pytest.raises(NonFiniteLossError, match=r"global step 4 .*this rank: nan\)"):
+        guard.check(None, batch_checked=False)
+    assert marks == ["record", "synchronize"]
