@@ -33,8 +33,8 @@
 #   FORCE_STUBS     space-separated module names to stub even if installed (testing only)
 #
 # What only a GPU runs (docs/benchmarks.md, "What only a GPU runs"): the CPU suite runs the rest of
-# the same code with CPU tensors standing in. The checks here cover the first three at the
-# defaults (good batches and finite losses, one rank: no vote runs):
+# the same code with CPU tensors standing in. The checks here cover the first three (one rank:
+# no vote runs; cuda_checks' bad_step: a bad batch and a NaN loss through the pinned copies):
 #   - HostCopy.start (training/device_checks.py): the pinned buffer and torch.cuda.Event of the
 #     deferred batch flags (batch_checks="auto" defers on CUDA) and of the recorded loss;
 #   - judged_next_step: "auto" judging batches a step later on CUDA only;
