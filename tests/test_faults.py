@@ -152,6 +152,39 @@ def test_votes_ahead_of_cpu_ranks_run_on_the_default_group_the_others_on_the_hos
     assert world.groups == [host]
 
 
+def test_the_votes_of_a_cuda_rank_under_nccl_live_on_the_host_with_the_host_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A GPU rank's configuration, run on the CPU: the default group is NCCL, the strategy's
+    # host group gloo, the rank's device CUDA. Every vote's tensor is made on the host (one made
+    # on CUDA would fail here); only a vote on the NCCL group itself would live on the GPU.
+    world = FakeWorld(monkeypatch)
+    host = object()
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo" if group is host else "nccl")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    places: list[torch.device] = []
+    reduce = dist.all_reduce
+
+    def placed(votes: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        places.append(votes.device)
+        return reduce(votes, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", placed)
+    runner = StepRunner(
+        nn.Linear(1, 1), torch.device("cuda", 0), specs={}, dense_width=None, group=host
+    )
+    guard = runner.guard
+    guard.carries_stop = True
+    world.peer_votes = [False, False, False, False, False]
+    guard.before_training_step(None, 0, 0, last=False)
+    guard.record_loss(torch.tensor(0.5), 0)
+    guard.vote_ahead(None, batch_idx=0, last=False)
+    guard.decide_ahead()
+    guard.settle()
+    assert world.groups == [host, host] and places == [torch.device("cpu")] * 2
+
+
 def test_the_vote_ahead_runs_during_the_step_and_is_decided_before_any_other_vote(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
