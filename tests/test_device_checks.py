@@ -210,7 +210,7 @@ def test_the_verdict_is_read_through_the_copy_the_gpu_uses(monkeypatch) -> None:
         def synchronize(self) -> None:
             marks.append("synchronize")
 
-    monkeypatch.setattr(device_checks, "_Finished", Mark)
+    monkeypatch.setattr(device_checks, "_FINISHED", Mark())
     deferred = DeferredVerdict(SPECS, 3)
     deferred.submit(batch(values=torch.tensor([1, 2, 3, 20])), "rank 0, step 7")
     assert marks == ["record"]

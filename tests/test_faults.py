@@ -297,7 +297,7 @@ def test_the_loss_is_recorded_through_the_copy_the_gpu_uses_on_the_cpu_too(monke
         def synchronize(self) -> None:
             marks.append("synchronize")
 
-    monkeypatch.setattr(device_checks, "_Finished", Mark)
+    monkeypatch.setattr(device_checks, "_FINISHED", Mark())
     guard = StepGuard("raise")
     loss = torch.tensor([float("nan"), 1.0])
     guard.record_loss(loss, 4)

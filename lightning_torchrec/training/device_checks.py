@@ -217,6 +217,10 @@ class _Finished:
         """Waits for the work before the mark (finished already on the host)."""
 
 
+#: The one mark every CPU copy records.
+_FINISHED = _Finished()
+
+
 class HostCopy:
     """A small device tensor copied to one reused host buffer without the host waiting for it.
 
@@ -251,7 +255,7 @@ class HostCopy:
             self._buffer = torch.empty(self.size, dtype=self.dtype, pin_memory=cuda)
             self._pinned = cuda
         self._buffer.copy_(tensor, non_blocking=True)
-        self._done = torch.cuda.Event() if cuda else _Finished()
+        self._done = torch.cuda.Event() if cuda else _FINISHED
         self._done.record()
         return self._buffer
 
