@@ -18,6 +18,10 @@ it finishes. Checks:
   fused row-wise Adagrad and Adam, and ``precision="bf16-mixed"``: finite losses, tables that
   change, and a checkpoint that loads into a fresh Trainer with identical weights and optimizer
   state. On CPU the CUDA-only cases must be refused with an error naming CUDA.
+* ``bad_step``: a batch with an id out of its table at step 2, then a NaN loss at step 2, in
+  unpipelined fits at ``batch_checks="auto"`` (on CPU: ``"next_step"``, which ``"auto"`` is on
+  CUDA): each stops the fit at the next step with the named error, its copies to the host made
+  through pinned buffers on CUDA (``HostCopy``). What else only a GPU runs: docs/benchmarks.md.
 * ``demo``: the project's demo job (``lightning_torchrec.demo``) for a short run on the device;
   without ``jsonargparse`` (its CLI needs it) the same job is built in code instead.
 
@@ -67,7 +71,7 @@ from benchmarks.harness import (
 from benchmarks.pipeline_throughput import strategy_kwargs
 
 #: Time limit of each check in seconds (on a GPU each takes well under a minute).
-TIMEOUTS = {"equality": 180, "sync_audit": 150, "sharding": 240, "demo": 180}
+TIMEOUTS = {"equality": 180, "sync_audit": 150, "bad_step": 120, "sharding": 240, "demo": 180}
 #: Time limit for a worker to start its first check (imports, CUDA start-up).
 STARTUP_TIMEOUT = 180
 CHECKS = list(TIMEOUTS)
@@ -834,6 +838,79 @@ def demo_in_code(ctx: Context, root: Path, steps: int, every: int, val_batches: 
     return trainer
 
 
+class _PinnedSeen(Callback):
+    """Records, after a step, whether the step guard's copies to the host use pinned buffers."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, Any] = {}
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        guard = trainer.strategy._runner.guard  # type: ignore[attr-defined]
+        deferred = guard.deferred
+        self.seen = {
+            "deferred": deferred is not None,
+            "flags_pinned": deferred is not None and deferred._copy._pinned,
+            "loss_pinned": guard._loss_copy._pinned,
+        }
+
+
+def check_bad_step(ctx: Context, at: int = 2) -> dict[str, Any]:
+    """A bad batch, then a NaN loss, at step ``at``: each stops the fit at the next step."""
+    from lightning_torchrec import TorchRecStrategy
+    from lightning_torchrec.errors import BatchValidationError, NonFiniteLossError
+
+    size = ModelSize.tiny()
+    root = Path(tempfile.mkdtemp(prefix="cuda_checks_bad_step_"))
+    details: dict[str, Any] = {"batch_checks": "auto" if ctx.cuda else "next_step"}
+    expected = {"bad_batch": BatchValidationError, "nan_loss": NonFiniteLossError}
+    for case, kind in expected.items():
+        L.seed_everything(SEED, verbose=False)
+        data = dataset(size, at + 6)
+        data.prepare(list(rank_sampler(data, 0, 1)))
+        if case == "bad_batch":
+            data[at].sparse_features.values()[3] = size.rows + 7
+        module = dlrm_module(size)
+        if case == "nan_loss":
+            step = module.training_step
+
+            def nan_at(batch: Any, batch_idx: int, step: Any = step) -> Any:
+                loss = step(batch, batch_idx)
+                return loss * float("nan") if batch_idx == at else loss
+
+            module.training_step = nan_at
+        strategy = TorchRecStrategy(
+            fused_params=FUSED,
+            constraints=table_wise(size),
+            pipeline=None,
+            log_plan=False,
+            batch_checks=details["batch_checks"],
+        )
+        seen = _PinnedSeen()
+        trainer = quiet_trainer(ctx, strategy, root, max_steps=at + 4, callbacks=[seen])
+        found: BaseException | None = None
+        try:
+            trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=None))
+        except Exception as e:  # noqa: BLE001 - recorded, judged below
+            found = e
+        message = "" if found is None else f"{type(found).__name__}: {found}"[:500]
+        details[case] = {"error": message, "global_step": trainer.global_step, **seen.seen}
+        named = f"step {at}" if case == "bad_batch" else f"global step {at} "
+        details[case]["ok"] = (
+            isinstance(found, kind)
+            and named in str(found)
+            and trainer.global_step == at + 1  # step ``at`` ran; the next one did not
+            and seen.seen.get("loss_pinned") == ctx.cuda
+            and (case != "bad_batch" or seen.seen.get("flags_pinned") == ctx.cuda)
+        )
+    ok = all(details[case]["ok"] for case in expected)
+    summary = ", ".join(
+        f"{case}: {'stopped' if details[case]['ok'] else 'NOT stopped as expected'} at "
+        f"global step {details[case]['global_step']}"
+        for case in expected
+    )
+    return {"ok": ok, "summary": summary, "details": details}
+
+
 # ----------------------------------------------------------------------------- running
 
 FUNCTIONS: dict[str, Callable[[Context], dict[str, Any]]] = {
@@ -841,6 +918,7 @@ FUNCTIONS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "sync_audit": check_sync_audit,
     "sharding": check_sharding,
     "demo": check_demo,
+    "bad_step": check_bad_step,
 }
 
 

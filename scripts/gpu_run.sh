@@ -31,6 +31,17 @@
 #   ACCEL           cuda (default) or cpu (to try this script on a machine without a GPU)
 #   SKIP_INSTALL=1  do not install wheels (the environment already has them)
 #   FORCE_STUBS     space-separated module names to stub even if installed (testing only)
+#
+# What only a GPU runs (docs/benchmarks.md, "What only a GPU runs"): the CPU suite runs the rest of
+# the same code with CPU tensors standing in. The checks here cover the first three (one rank:
+# no vote runs; cuda_checks' bad_step: a bad batch and a NaN loss through the pinned copies):
+#   - HostCopy.start (training/device_checks.py): the pinned buffer and torch.cuda.Event of the
+#     deferred batch flags (batch_checks="auto" defers on CUDA) and of the recorded loss;
+#   - judged_next_step: "auto" judging batches a step later on CUDA only;
+#   - TorchRec's stream hand-offs in the train pipelines ("sparse_dist", "semi_sync": TorchRec's
+#     own methods; on the CPU compat/pipelines.py overrides three);
+#   - not here (two GPUs): collective_device() under nccl (the votes on the GPU) and the vote
+#     ahead carrying the previous step's loss (host_runs_ahead, StepMode.loss_after_vote).
 set -uo pipefail
 
 PART="${1:-all}"

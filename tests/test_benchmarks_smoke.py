@@ -307,3 +307,16 @@ def test_step_calls_counts_a_steady_step_the_same_twice(tmp_path: Path) -> None:
     assert trainer["ratio_to_raw_sparse_dist"] > 1.0
     text = (tmp_path / "step_calls_tiny.txt").read_text()
     assert "lightning_torchrec/lightning/module.py" in text
+
+
+def test_the_gpu_checks_bad_step_runs_on_the_cpu(tmp_path: Path) -> None:
+    # The one-GPU check of a bad batch and a NaN loss on the device's paths, through the same
+    # code on the CPU (batch_checks="next_step", what "auto" is on CUDA; buffers not pinned).
+    from benchmarks.cuda_checks import Context, run_check
+
+    entry = run_check("bad_step", Context("cpu", tmp_path))
+    assert entry["ok"], entry
+    for case in ("bad_batch", "nan_loss"):
+        found = entry["details"][case]
+        assert found["global_step"] == 3 and found["deferred"] and not found["loss_pinned"]
+    assert entry["details"]["bad_batch"]["error"].startswith("BatchValidationError: rank 0, step 2")

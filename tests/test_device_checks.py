@@ -1,7 +1,8 @@
 """Batch checks judged a step later (``batch_checks="next_step"``, CUDA's default), on the CPU.
 
-The code path is the device one (reductions on the batch's device, verdict read at the next
-vote); on the CPU the pinned copy is skipped. One process.
+The code path is the device one (reductions on the batch's device, the flags copied to the host
+without blocking and read at the next vote); on the CPU only the buffer is not pinned and the
+CUDA event is a stand-in. One process (two ranks: tests/test_faults_multiprocess.py).
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ from torch.utils.data import DataLoader
 from lightning_torchrec import TorchRecStrategy
 from lightning_torchrec.errors import BatchValidationError
 from lightning_torchrec.sharding.features import FeatureSpec
+from lightning_torchrec.training import device_checks
 from lightning_torchrec.training.device_checks import (
     FLAGS,
     DeferredVerdict,
+    HostCopy,
     clamps_bad_ids,
     device_flags,
     judged_next_step,
@@ -192,3 +195,28 @@ def test_a_sharded_data_parallel_table_is_checked_before_its_forward_on_cuda() -
         runner = StepRunner(dmp, torch.device("cuda"), specs=SPECS, dense_width=3)
         assert (runner.guard.deferred is not None) is clamped
         module = model()
+
+
+def test_the_verdict_is_read_through_the_copy_the_gpu_uses(monkeypatch) -> None:
+    # On the CPU as on CUDA: the flags are copied to a host buffer without blocking, a mark is
+    # recorded after the copy and waited on at the verdict (CUDA: a pinned buffer and an event;
+    # the CPU's stand-in is finished when recorded), and the flags read are the buffer's.
+    marks: list[str] = []
+
+    class Mark(device_checks._Finished):
+        def record(self) -> None:
+            marks.append("record")
+
+        def synchronize(self) -> None:
+            marks.append("synchronize")
+
+    monkeypatch.setattr(device_checks, "_FINISHED", Mark())
+    deferred = DeferredVerdict(SPECS, 3)
+    deferred.submit(batch(values=torch.tensor([1, 2, 3, 20])), "rank 0, step 7")
+    assert marks == ["record"]
+    copied = HostCopy(len(FLAGS) + 3, torch.int64)
+    flags = device_flags(batch(values=torch.tensor([1, 2, 3, 20])), SPECS)
+    held = copied.start(flags)
+    assert held is not flags and torch.equal(held, flags) and not held.is_pinned()
+    assert "id 20" in str(deferred.verdict())
+    assert marks == ["record", "record", "synchronize"]

@@ -16,6 +16,7 @@ from lightning_torchrec import DLRMClickModule, TorchRecStrategy
 from lightning_torchrec.distributed import peer_failure
 from lightning_torchrec.errors import NonFiniteLossError, UnevenDataError
 from lightning_torchrec.lightning.preemption import PreemptionCheckpoint
+from lightning_torchrec.training import device_checks
 from lightning_torchrec.training.finite import nonfinite_tensors
 from lightning_torchrec.training.step_guard import StepGuard, loss_to_judge
 from lightning_torchrec.training.steps import StepRunner
@@ -151,6 +152,39 @@ def test_votes_ahead_of_cpu_ranks_run_on_the_default_group_the_others_on_the_hos
     assert world.groups == [host]
 
 
+def test_the_votes_of_a_cuda_rank_under_nccl_live_on_the_host_with_the_host_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A GPU rank's configuration, run on the CPU: the default group is NCCL, the strategy's
+    # host group gloo, the rank's device CUDA. Every vote's tensor is made on the host (one made
+    # on CUDA would fail here); only a vote on the NCCL group itself would live on the GPU.
+    world = FakeWorld(monkeypatch)
+    host = object()
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo" if group is host else "nccl")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    places: list[torch.device] = []
+    reduce = dist.all_reduce
+
+    def placed(votes: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        places.append(votes.device)
+        return reduce(votes, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", placed)
+    runner = StepRunner(
+        nn.Linear(1, 1), torch.device("cuda", 0), specs={}, dense_width=None, group=host
+    )
+    guard = runner.guard
+    guard.carries_stop = True
+    world.peer_votes = [False, False, False, False, False]
+    guard.before_training_step(None, 0, 0, last=False)
+    guard.record_loss(torch.tensor(0.5), 0)
+    guard.vote_ahead(None, batch_idx=0, last=False)
+    guard.decide_ahead()
+    guard.settle()
+    assert world.groups == [host, host] and places == [torch.device("cpu")] * 2
+
+
 def test_the_vote_ahead_runs_during_the_step_and_is_decided_before_any_other_vote(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -247,3 +281,28 @@ def test_a_loss_of_several_numbers_is_judged_by_its_first_non_finite_one_on_its_
         assert str(float(picked)) == judged, (loss, picked)
     on_meta = loss_to_judge(torch.empty(3, device="meta"))  # no host read (item() would raise)
     assert on_meta.shape == (1,) and on_meta.device.type == "meta"
+
+
+def test_the_loss_is_recorded_through_the_copy_the_gpu_uses_on_the_cpu_too(monkeypatch) -> None:
+    # The same code on both devices: the one judged number is copied to a host buffer, a mark
+    # recorded after the copy, and waited on at the next vote; only the pinned buffer and the
+    # CUDA event are the GPU's own. A loss changed in place after its step (as a reused buffer
+    # would be) is judged as it was at its step, on the CPU as on CUDA.
+    marks: list[str] = []
+
+    class Mark(device_checks._Finished):
+        def record(self) -> None:
+            marks.append("record")
+
+        def synchronize(self) -> None:
+            marks.append("synchronize")
+
+    monkeypatch.setattr(device_checks, "_FINISHED", Mark())
+    guard = StepGuard("raise")
+    loss = torch.tensor([float("nan"), 1.0])
+    guard.record_loss(loss, 4)
+    loss.fill_(0.5)
+    assert marks == ["record"]
+    with pytest.raises(NonFiniteLossError, match=r"global step 4 .*this rank: nan\)"):
+        guard.check(None, batch_checked=False)
+    assert marks == ["record", "synchronize"]

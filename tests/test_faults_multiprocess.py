@@ -64,6 +64,26 @@ def test_bad_batch_on_rank1_stops_both_ranks_before_the_step(
     assert is_sharded_checkpoint(folder / ckpts[0])
 
 
+def test_a_bad_batch_judged_at_the_next_step_stops_both_ranks_before_any_save(
+    phases: Path,
+) -> None:
+    # batch_checks="next_step" (CUDA's "auto"), through the device code on CPU tensors: rank 1's
+    # batch of step 2 is checked on its device during step 2, which runs; the save after it
+    # judges the verdict first (a collective), so every rank raises there and no checkpoint
+    # holds that step's update.
+    r0, r1 = load_ranks(phases, "bad_id_next")
+    assert r0["error"] == r1["error"] == "BatchValidationError"
+    for msg in (r0["message"], r1["message"]):
+        assert "rank 1, step 2: feature 'cat_0'" in msg and "'t_cat_0'" in msg
+        assert "id 27" in msg and "num_embeddings=20" in msg
+    assert "another rank failed" in r0["message"]
+    assert r0["global_step"] == r1["global_step"] == 3  # step 2 ran; step 3 never did
+    folder = phases / "bad_id_next_ckpts"
+    ckpts = sorted(p.name for p in folder.iterdir())
+    assert ckpts == ["epoch=0-step=2.ckpt"]  # after steps 0 and 1: the last good state
+    assert is_sharded_checkpoint(folder / ckpts[0])
+
+
 def test_nan_loss_on_rank1_raises_on_both_ranks_naming_step_and_rank(phases: Path) -> None:
     r0, r1 = load_ranks(phases, "nan_raise")
     assert r0["error"] == r1["error"] == "NonFiniteLossError"

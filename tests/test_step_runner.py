@@ -17,7 +17,13 @@ from lightning_torchrec.errors import NonFiniteLossError
 from lightning_torchrec.lightning.trainer_setup import batch_hooks
 from lightning_torchrec.sharding.features import FeatureSpec
 from lightning_torchrec.training.pipelines import SEMI_SYNC_START_BATCH, Peek, PipelineConfig, Split
-from lightning_torchrec.training.steps import StepMode, StepRunner, UnpipelinedStep, choose_mode
+from lightning_torchrec.training.steps import (
+    StepMode,
+    StepRunner,
+    UnpipelinedStep,
+    choose_mode,
+    host_runs_ahead,
+)
 from tests.scripts.factory import cpu_trainer, table_wise, tiny_data, tiny_dlrm
 
 
@@ -189,17 +195,17 @@ def test_auto_checks_a_model_with_a_per_sample_limit_before_its_forward_on_cuda(
 
 def test_on_cuda_the_vote_ahead_carries_the_previous_steps_loss() -> None:
     # The vote ahead starts right after the forward: on CUDA, reading that step's loss would
-    # hold the host until the GPU finished the forward. The order is what is tested here, with
-    # host tensors standing in for the GPU's.
-    def stopped_after(device: str) -> int:
+    # hold the host until the GPU finished the forward. The mode names that choice, and the CPU
+    # runs either order through the same code.
+    def stopped_after(loss_after_vote: bool) -> int:
         runner = StepRunner(
             nn.Linear(1, 1),
-            torch.device(device),
+            torch.device("cpu"),
             specs={},
             dense_width=None,
             validate_batches=False,
             batch_checks="before_forward",
-            mode=StepMode(ahead=True),
+            mode=StepMode(ahead=True, loss_after_vote=loss_after_vote),
         )
         runner.start_fit()
         losses = [torch.tensor(0.5), torch.tensor(float("nan")), torch.tensor(0.5)]
@@ -210,5 +216,10 @@ def test_on_cuda_the_vote_ahead_carries_the_previous_steps_loss() -> None:
                 runner.after_step()
         return step
 
-    assert stopped_after("cpu") == 1  # decided after the step of the NaN loss
-    assert stopped_after("cuda") == 2  # one step later: no wait for the forward's end
+    assert stopped_after(False) == 1  # decided after the step of the NaN loss
+    assert stopped_after(True) == 2  # one step later: no wait for the forward's end
+    auto, ahead = PipelineConfig.parse("auto", None), {"world_size": 2, "vote_ahead": True}
+    assert host_runs_ahead(torch.device("cuda")) and not host_runs_ahead(torch.device("cpu"))
+    assert choose_mode(auto, torch.device("cuda"), **ahead).loss_after_vote
+    assert not choose_mode(auto, torch.device("cpu"), **ahead).loss_after_vote
+    assert not choose_mode(auto, torch.device("cuda")).loss_after_vote  # no vote ahead

@@ -4,7 +4,9 @@ On a GPU the host must run ahead of the device: reading a batch's ids on the hos
 ``.item()`` on a device tensor) makes it wait for the GPU's queue. :class:`DeferredVerdict`
 checks a batch *on its device* with a few reductions (no host read of the data; the shapes,
 keys and dtypes it also checks are host metadata), copies the small result to pinned host
-memory without blocking, and reads it at the **next** step's vote, long after the copy finished.
+memory without blocking (:class:`HostCopy`), and reads it at the **next** step's vote, long after
+the copy finished. The same code runs on the CPU (``batch_checks="next_step"``), where only the
+pinned buffer and the CUDA event are left out.
 When the flags say the batch was bad, the full host check
 (:func:`~lightning_torchrec.training.batch_checks.validate_batch`) runs on that batch, only
 then, to name the rank, step, feature, table and value.
@@ -205,6 +207,65 @@ def _to_device(per_key: list[int], device: torch.device, stride: int) -> torch.T
     return values.to(device, non_blocking=True).repeat_interleave(stride)
 
 
+class _Finished:
+    """The CPU's stand-in for a CUDA event: work on the host is finished when its op returns."""
+
+    def record(self) -> None:
+        """Marks the point reached (nothing to wait for on the host)."""
+
+    def synchronize(self) -> None:
+        """Waits for the work before the mark (finished already on the host)."""
+
+
+#: The one mark every CPU copy records.
+_FINISHED = _Finished()
+
+
+class HostCopy:
+    """A small device tensor copied to one reused host buffer without the host waiting for it.
+
+    The copy is started at one step and read at the next, long after it finished: no stall. The
+    same code runs on every device; only two calls are the device's own (:meth:`start`): on CUDA
+    the buffer is pinned (a copy from the GPU that does not block needs it) and a CUDA event marks
+    the copy's end; on the CPU the buffer is an ordinary one and the event a stand-in that is
+    finished when recorded.
+
+    Args:
+        size: the number of elements copied.
+        dtype: their type.
+    """
+
+    def __init__(self, size: int, dtype: torch.dtype) -> None:
+        self.size, self.dtype = size, dtype
+        self._buffer: torch.Tensor | None = None
+        self._pinned = False
+        self._done: Any = None
+
+    def start(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Starts copying ``tensor`` (``size`` elements, on its device) to the host buffer.
+
+        Args:
+            tensor: what to copy.
+
+        Returns:
+            The host buffer, to be read only after :meth:`wait`.
+        """
+        cuda = tensor.is_cuda
+        if self._buffer is None or self._pinned != cuda:
+            self._buffer = torch.empty(self.size, dtype=self.dtype, pin_memory=cuda)
+            self._pinned = cuda
+        self._buffer.copy_(tensor, non_blocking=True)
+        self._done = torch.cuda.Event() if cuda else _FINISHED
+        self._done.record()
+        return self._buffer
+
+    def wait(self) -> None:
+        """Waits until the last copy started has reached the host buffer (normally long done)."""
+        done, self._done = self._done, None
+        if done is not None:
+            done.synchronize()
+
+
 class DeferredVerdict:
     """One batch's device check, read at the next step (see the module docstring).
 
@@ -216,9 +277,9 @@ class DeferredVerdict:
     def __init__(self, specs: Mapping[str, FeatureSpec], dense_width: int | None) -> None:
         self.specs = specs
         self.dense_width = dense_width
-        self._pending: tuple[Any, str, torch.Tensor, Any, str | None] | None = None
+        self._pending: tuple[Any, str, torch.Tensor, str | None] | None = None
         self._known = False
-        self._host: torch.Tensor | None = None
+        self._copy = HostCopy(len(FLAGS) + 3, torch.int64)
 
     def submit(self, batch: Any, where: str) -> None:
         """Starts checking ``batch`` (on its device) without waiting for the device.
@@ -228,16 +289,8 @@ class DeferredVerdict:
             where: names the rank and step for the message.
         """
         problem = _structure(batch, self.specs)
-        flags = device_flags(batch, self.specs)
-        event = None
-        if flags.is_cuda:
-            if self._host is None:
-                self._host = torch.empty(len(FLAGS) + 3, dtype=torch.int64, pin_memory=True)
-            self._host.copy_(flags, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            flags = self._host
-        self._pending = (batch, where, flags, event, problem)
+        flags = self._copy.start(device_flags(batch, self.specs))
+        self._pending = (batch, where, flags, problem)
         self._known = False
 
     def submit_known(self) -> None:
@@ -259,10 +312,9 @@ class DeferredVerdict:
         self._known = False
         if self._pending is None:
             return None
-        batch, where, flags, event, problem = self._pending
+        batch, where, flags, problem = self._pending
         self._pending = None
-        if event is not None:
-            event.synchronize()
+        self._copy.wait()
         counts = flags[: len(FLAGS)].tolist()
         if problem is None and not any(counts):
             return None

@@ -35,7 +35,7 @@ from lightning_torchrec.distributed import (
 from lightning_torchrec.errors import BatchValidationError, NonFiniteLossError, UnevenDataError
 from lightning_torchrec.sharding.features import FeatureSpec
 from lightning_torchrec.training.batch_checks import check_batch
-from lightning_torchrec.training.device_checks import DeferredVerdict
+from lightning_torchrec.training.device_checks import DeferredVerdict, HostCopy
 from lightning_torchrec.training.worker_checks import UNCHECKED, VERDICT_ATTRIBUTE, worker_verdict
 
 
@@ -52,8 +52,8 @@ def loss_to_judge(loss: torch.Tensor) -> torch.Tensor:
         A float32 tensor of one element on the loss's device.
     """
     flat = loss.reshape(-1).float()
-    if not flat.numel():
-        return flat.new_zeros(1)
+    if flat.numel() < 2:  # a scalar (the usual loss) is its own number; nothing to pick
+        return flat if flat.numel() else flat.new_zeros(1)
     first_bad = torch.argmin(torch.isfinite(flat).to(torch.int8)).reshape(1)
     return flat.index_select(0, first_bad)
 
@@ -62,21 +62,22 @@ def nonfinite_loss_error(pending: tuple[int, torch.Tensor] | None) -> NonFiniteL
     """The error for a recorded loss that is not finite.
 
     Args:
-        pending: ``(global step, loss)`` as recorded (on the host), or None.
+        pending: ``(global step, loss)`` as recorded: the loss's one judged number
+            (:func:`loss_to_judge`), on the host; or None.
 
     Returns:
         The error naming the step, this rank and the value; None for a finite loss or none.
     """
-    if pending is None:  # below: one read of a scalar loss (the usual case), else a reduction
+    if pending is None:
         return None
     step, value = pending
-    if math.isfinite(value.item()) if value.numel() == 1 else bool(value.isfinite().all()):
+    found = value.item()  # one host read of the copy, made a step ago
+    if math.isfinite(found):
         return None
     rank, _ = rank_and_world_size()
-    flat = value.reshape(-1)
     return NonFiniteLossError(
         f"non-finite training loss at global step {step} on rank(s) [{rank}] (this rank: "
-        f"{float(flat[~flat.isfinite()][0])}). That step's update was applied, so the in-memory "
+        f"{found}). That step's update was applied, so the in-memory "
         "weights may be non-finite; checkpoints refuse non-finite values and the last one is "
         "intact. Check the batch (NaN features, extreme labels/weights) and lower the "
         "learning rate."
@@ -218,8 +219,7 @@ class StepGuard:
         self.token = token
         self.deferred = DeferredVerdict(self.specs, dense_width) if deferred else None
         self._pending: tuple[int, torch.Tensor] | None = None
-        self._host_loss: torch.Tensor | None = None
-        self._copied: Any = None
+        self._loss_copy = HostCopy(1, torch.float32)
         self._ahead: tuple[Callable[[], list[list[int]]], int] | None = None
         self._decided: Any = None
 
@@ -395,14 +395,9 @@ class StepGuard:
         if self._mode != "raise":
             return
         loss = output.get("loss") if isinstance(output, Mapping) else output
-        value = loss.detach() if isinstance(loss, torch.Tensor) else torch.zeros(1)  # host: as is
-        if value.is_cuda:  # copied to pinned memory without waiting; read long after, no stall
-            if self._host_loss is None:
-                self._host_loss = torch.empty(1, dtype=torch.float32, pin_memory=True)
-            self._host_loss.copy_(loss_to_judge(value), non_blocking=True)
-            self._copied, value = torch.cuda.Event(), self._host_loss
-            self._copied.record()
-        self._pending = (step, value)
+        value = loss.detach() if isinstance(loss, torch.Tensor) else torch.zeros(1)
+        # The one number judged, copied to the host without waiting; read a step later, no stall.
+        self._pending = (step, self._loss_copy.start(loss_to_judge(value)))
 
     def check(
         self,
@@ -505,11 +500,10 @@ class StepGuard:
         self._ahead = (decide, batch_idx)
 
     def _loss_error(self) -> NonFiniteLossError | None:
-        """Takes the recorded loss and judges it (its CUDA copy finished long ago: no stall)."""
+        """Takes the recorded loss and judges it (its copy finished long ago: no stall)."""
         pending, self._pending = self._pending, None
-        if pending is not None and self._copied is not None:
-            self._copied.synchronize()
-            self._copied = None
+        if pending is not None:
+            self._loss_copy.wait()
         return nonfinite_loss_error(pending)
 
     def decide_ahead(self) -> list[int] | None:

@@ -95,12 +95,16 @@ class StepMode:
         start_batch: ``"semi_sync"``'s first semi-synchronous global step.
         asked: whether the user named the pipeline (a model it cannot pipeline then gets a
             warning; under ``"auto"``, an INFO line).
+        loss_after_vote: with the vote ahead, whether it carries the previous step's loss and
+            this step's is recorded after it (where the host runs ahead of the device:
+            :func:`host_runs_ahead`), instead of this step's loss before it.
     """
 
     pipeline: str | None = None
     ahead: bool = False
     start_batch: int = 0
     asked: bool = True
+    loss_after_vote: bool = False
 
     def build(self, runner: StepRunner) -> TrainStep:
         """The step object of this mode.
@@ -168,6 +172,21 @@ def check_accumulation(factor: int, source: str, fused: bool, allowed: bool, pip
         )
 
 
+def host_runs_ahead(device: torch.device) -> bool:
+    """Whether the host queues work on ``device`` and runs ahead of it (CUDA).
+
+    There, reading a result (a step's loss) makes the host wait until the device has finished
+    everything queued before it; on the CPU a result is ready when its op returns.
+
+    Args:
+        device: the rank's device.
+
+    Returns:
+        True on CUDA.
+    """
+    return device.type == "cuda"
+
+
 def choose_mode(
     config: PipelineConfig,
     device: torch.device,
@@ -193,6 +212,9 @@ def choose_mode(
     The vote ahead checks the next batch as the loader made it, so it runs only where the step
     trains on exactly that batch (no ``hooks``), when fitting on more than one rank, and, without
     a pipeline, where the step's batch is checked on the host (not ``deferred`` to the device).
+    It starts right after the forward; where the host runs ahead of the device
+    (:func:`host_runs_ahead`) it carries the previous step's loss (``loss_after_vote``), since
+    reading this one would hold the host until the device finished the forward.
 
     Args:
         config: the strategy's pipeline configuration.
@@ -231,7 +253,8 @@ def choose_mode(
         if fitting:
             check_accumulation(*accumulation, fused=False, allowed=True, piped=True)
     ahead = ahead and (pipeline is not None or not deferred)
-    return StepMode(pipeline, ahead, config.start_batch, config.kind != "auto")
+    after = ahead and host_runs_ahead(device)
+    return StepMode(pipeline, ahead, config.start_batch, config.kind != "auto", after)
 
 
 class TrainStep:
@@ -248,9 +271,9 @@ class TrainStep:
     def __init__(self, runner: StepRunner, ahead: bool) -> None:
         self.runner, self.guard = runner, runner.guard
         self.ahead = ahead
-        # On CUDA the vote ahead starts right after the forward: it carries the previous step's
-        # loss, since reading this one would hold the host until the GPU finished the forward.
-        self.loss_after_vote = ahead and runner.device.type == "cuda"
+        # The run's choice (StepMode.loss_after_vote): on CUDA the vote ahead carries the
+        # previous step's loss, since reading this one would hold the host until the forward ends.
+        self.loss_after_vote = ahead and runner.mode.loss_after_vote
         #: The batch index whose vote the last vote ahead decided (its step skips its own).
         self.covered: int | None = None
 
@@ -489,7 +512,8 @@ class StepRunner:
             the front end must then call on every rank after every training step), so the vote
             runs while the backward does. The batches it covers are read one step early: the
             next step's batch, or with a pipeline the ones its next ``progress()`` sends. On
-            CUDA it carries the previous step's loss (this step's waits for the forward).
+            CUDA it carries the previous step's loss (this step's waits for the forward; the
+            mode's ``loss_after_vote``).
         global_step: returns the number of finished training steps.
         timeout: the collective timeout (for messages).
         group: the process group the votes run on (a gloo group keeps them on the host). Where

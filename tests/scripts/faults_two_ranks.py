@@ -50,6 +50,8 @@ OUT, MODE = Path(sys.argv[1]), sys.argv[2]
 #: The modes whose ranks record what they raised (then raise it).
 RECORDED = ("kill", "onexc_one", "stop_one", "interrupt_apart")
 ROWS = 20
+#: CUDA's ``batch_checks="auto"`` (unpipelined): checked on the device, judged a step later.
+NEXT_STEP = {"batch_checks": "next_step"}
 
 
 class Faulty(DLRMClickModule):
@@ -245,6 +247,9 @@ def main() -> None:
         run("bad_id", "bad_id", at=2, extra=[every_step])  # the default: pipelined
         every_step = ModelCheckpoint(dirpath=OUT / "bad_id_plain_ckpts", every_n_train_steps=1)
         run("bad_id_plain", "bad_id", at=2, extra=[every_step], pipeline=None)
+        # Checked on the device and judged at the next step: CUDA's "auto", through the same code.
+        every_step = ModelCheckpoint(dirpath=OUT / "bad_id_next_ckpts", every_n_train_steps=1)
+        run("bad_id_next", "bad_id", at=2, extra=[every_step], pipeline=None, **NEXT_STEP)
         run("nan_raise", "nan_loss", at=3)
         run("sigterm_flag", "sigterm_flag", at=3)
         ckpt = ModelCheckpoint(dirpath=OUT / "ckpts", every_n_train_steps=2, save_top_k=-1)
