@@ -20,21 +20,27 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.model_parallel import DataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner
+from torchrec.distributed.planner.constants import BATCH_SIZE
+from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.storage_reservations import HeuristicalStorageReservation
 from torchrec.distributed.planner.types import (
     KernelConfig,
     ParameterConstraints,
+    ShardingOption,
     Topology,
     TopologyFactory,
     TrainerConfig,
 )
-from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
+from torchrec.distributed.planner.utils import sharder_name
+from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan, ShardingType
 
 from lightning_torchrec.compat.fused import estimated_optimizers, fused_param_groups, kernel_tables
 from lightning_torchrec.compat.upstream import planner_topology
 from lightning_torchrec.distributed import broadcast_from_rank0
+from lightning_torchrec.sharding.capabilities import probe_reduce_scatter
 from lightning_torchrec.sharding.features import FeatureSpec, feature_specs
 from lightning_torchrec.sharding.key_order import keep_key_order
 from lightning_torchrec.sharding.layout import copy_into_shards
@@ -111,6 +117,75 @@ def make_topology(
     )
 
 
+class StableEnumerator(EmbeddingEnumerator):
+    """TorchRec's enumerator, listing each table's options in one order on every launch.
+
+    TorchRec intersects a table's constrained sharding types and compute kernels with the
+    sharder's through Python sets, so their order follows string hash randomisation; options
+    of equal estimated cost (``table_wise`` and a one-block ``table_column_wise``) then win by
+    that order, and the same model got a different plan from launch to launch. This lists each
+    table's options in the sharder's own order of types and kernels, as TorchRec does for an
+    unconstrained table. The planner's choice among them is unchanged otherwise.
+
+    Args:
+        topology: the planner's topology.
+        batch_size: the planner's batch size.
+        constraints: per-table planner constraints.
+    """
+
+    def __init__(
+        self,
+        topology: Topology,
+        batch_size: int = BATCH_SIZE,
+        constraints: dict[str, ParameterConstraints] | None = None,
+    ) -> None:
+        super().__init__(topology=topology, batch_size=batch_size, constraints=constraints)
+        self.device_type: str = topology.compute_device
+
+    def enumerate(
+        self, module: nn.Module, sharders: list[ModuleSharder[nn.Module]]
+    ) -> list[ShardingOption]:
+        """TorchRec's options, each table's in the sharder's order.
+
+        Args:
+            module: the model.
+            sharders: the sharders.
+
+        Returns:
+            The options, tables in TorchRec's order.
+        """
+        options = super().enumerate(module, sharders)
+        by_type = {sharder_name(s.module_type): s for s in sharders}
+        device = self.device_type
+        tables: dict[tuple[str, str], int] = {}
+
+        def key(option: ShardingOption) -> tuple[int, int, int]:
+            table = tables.setdefault((option.path, option.name), len(tables))
+            sharder = by_type.get(sharder_name(type(option.module[1])))
+            types = sharder.sharding_types(device) if sharder is not None else []
+            kernels = (
+                sharder.compute_kernels(option.sharding_type, device) if sharder is not None else []
+            )
+            return (
+                table,
+                _rank(types, option.sharding_type, _SHARDING_TYPE_ORDER),
+                _rank(kernels, option.compute_kernel, _KERNEL_ORDER),
+            )
+
+        return sorted(options, key=key)
+
+
+#: Fallback orders for names a sharder does not list: TorchRec's enum order.
+_SHARDING_TYPE_ORDER = tuple(t.value for t in ShardingType)
+_KERNEL_ORDER = tuple(k.value for k in EmbeddingComputeKernel)
+
+
+def _rank(first: list[str], name: str, then: tuple[str, ...]) -> int:
+    if name in first:
+        return first.index(name)
+    return len(first) + (then.index(name) if name in then else len(then))
+
+
 def make_planner(
     model: nn.Module,
     topology: Topology,
@@ -137,8 +212,12 @@ def make_planner(
         reservation = HeuristicalStorageReservation(
             percentage=0.15, dense_tensor_estimate=max(DENSE_MULTIPLIER * dense_bytes(model), 1)
         )
+    enumerator = StableEnumerator(topology=topology, batch_size=BATCH_SIZE, constraints=constraints)
     return EmbeddingShardingPlanner(
-        topology=topology, constraints=constraints, storage_reservation=reservation
+        topology=topology,
+        constraints=constraints,
+        storage_reservation=reservation,
+        enumerator=enumerator,
     )
 
 
@@ -204,13 +283,21 @@ class ShardingConfig:
         if self.plan is not None and (self.constraints is not None or self.planner is not None):
             raise ValueError("`constraints` and `planner` make a plan; a plan was given: pass one.")
 
-    def resolved_sharders(self) -> list[ModuleSharder[nn.Module]]:
+    def resolved_sharders(
+        self, *, cpu_reduce_scatter: bool = False
+    ) -> list[ModuleSharder[nn.Module]]:
         """The sharders to use.
+
+        Args:
+            cpu_reduce_scatter: whether the CPU process group has a reduce-scatter (the default
+                EBC sharder then offers the row-wise types).
 
         Returns:
             ``sharders``, or the defaults with ``fused_params``.
         """
-        return self.sharders if self.sharders is not None else default_sharders(self.fused_params)
+        if self.sharders is not None:
+            return self.sharders
+        return default_sharders(self.fused_params, cpu_reduce_scatter=cpu_reduce_scatter)
 
 
 class ShardedModel(NamedTuple):
@@ -298,14 +385,16 @@ def shard_model(
         return _reuse(record.sharded, fused_params)
     world_size = dist.get_world_size()
     compute_device = "cuda" if device.type == "cuda" else "cpu"
-    check_constraints_for_device(constraints, compute_device, model)
+    # One probe per sharding, on every rank: may this CPU group run the row-wise types?
+    reduce_scatter = compute_device == "cpu" and probe_reduce_scatter()
+    check_constraints_for_device(constraints, compute_device, model, reduce_scatter=reduce_scatter)
     check_constraints_match_model(constraints, model)
     check_low_precision_for_device(low_precision_tables(model), compute_device)
     if plan is not None:
         check_plan_matches_model(plan, model)
     own = table_optimizers(model)  # apply_optimizer_in_backward's, over fused_params
     check_table_optimizers(own, compute_device)
-    sharders = config.resolved_sharders()
+    sharders = config.resolved_sharders(cpu_reduce_scatter=reduce_scatter)
     tables = list(table_configs(model))
     if set(tables) - set(own):
         check_fused_optimizer_for_device(sharders, compute_device)
@@ -313,12 +402,14 @@ def shard_model(
     if plan is None:
         if planner is None:
             topology = make_topology(world_size, local, compute_device)
-            narrowed = device_constraints(model, constraints, compute_device)
+            narrowed = device_constraints(
+                model, constraints, compute_device, reduce_scatter=reduce_scatter
+            )
             narrowed = low_precision_constraints(narrowed, low_precision_tables(model))
             planner = make_planner(model, topology, fused_constraints(narrowed, own))
         with estimated_optimizers(estimate_classes(model, own, sharders)):
             plan = plan_collectively(planner, model, sharders, planner_topology(planner))
-    check_plan(plan, world_size, compute_device, model)
+    check_plan(plan, world_size, compute_device, model, reduce_scatter=reduce_scatter)
     check_plan_kernels(plan, own)
     for note in (
         precedence_note(own, tables, fused_params),
