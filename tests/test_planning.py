@@ -15,8 +15,8 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ShardingPlan
 
 from lightning_torchrec.sharding import planning
+from lightning_torchrec.sharding.planner import DENSE_MULTIPLIER
 from lightning_torchrec.sharding.planning import (
-    DENSE_MULTIPLIER,
     ShardingConfig,
     make_planner,
     make_topology,
