@@ -262,6 +262,17 @@ def test_cpu_planning_offers_only_what_each_table_can_run() -> None:
     mine = {"bag": ParameterConstraints(sharding_types=["row_wise", "table_wise"])}
     assert device_constraints(model, mine, "cpu")["bag"].sharding_types == ["table_wise"]
     assert device_constraints(model, mine, "cuda") is mine
+    # where gloo has a reduce-scatter: row-wise types when asked; the default offer unchanged
+    rs = device_constraints(model, mine, "cpu", reduce_scatter=True)
+    assert rs["bag"].sharding_types == ["row_wise", "table_wise"]
+    assert device_constraints(model, None, "cpu", reduce_scatter=True) == out
+    grid = {"bag": ParameterConstraints(sharding_types=["grid_shard", "table_row_wise"])}
+    assert device_constraints(model, grid, "cpu", reduce_scatter=True)["bag"].sharding_types == [
+        "grid_shard",
+        "table_row_wise",
+    ]
+    with pytest.raises(ValueError, match=r"'bag'.*cannot run on CPU"):
+        device_constraints(model, grid, "cpu")
     with pytest.raises(ValueError, match=r"'seq'.*cannot run on CPU"):
         device_constraints(
             model, {"seq": ParameterConstraints(sharding_types=["data_parallel"])}, "cpu"

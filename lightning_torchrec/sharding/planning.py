@@ -77,6 +77,7 @@ from lightning_torchrec.sharding.tables import (
 
 logger = logging.getLogger(__name__)
 
+
 def plan_collectively(
     planner: Any, model: nn.Module, sharders: list[Any], topology: Any = None
 ) -> ShardingPlan:

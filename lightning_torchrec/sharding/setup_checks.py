@@ -22,6 +22,7 @@ from lightning_torchrec.sharding.capabilities import (
     missing_collective_note,
     reduce_scatter_types,
 )
+from lightning_torchrec.sharding.features import managed_input_sizes
 from lightning_torchrec.sharding.tables import (
     human_bytes,
     module_table_configs,
@@ -221,9 +222,11 @@ def check_plan_matches_model(plan: ShardingPlan, model: nn.Module) -> None:
 #: be constrained to ``row_wise`` explicitly.
 CPU_SHARDING_TYPES = ("table_wise", "column_wise", "table_column_wise", "data_parallel")
 CPU_SEQUENCE_SHARDING_TYPES = ("table_wise", "column_wise", "table_column_wise")
-#: Offered too where the group has a reduce-scatter (``grid_shard`` only when asked for, as
-#: TorchRec's planner offers it).
-CPU_REDUCE_SCATTER_TYPES = ("row_wise", "table_row_wise")
+#: Accepted for bag tables too where the group has a reduce-scatter, when asked for (constraints
+#: or a plan), as TorchRec's CPU sharder does not offer them itself: the default plan stays
+#: TorchRec's. A managed-collision bag table, which TorchRec shards row-wise only, is offered
+#: ``row_wise`` there.
+CPU_REDUCE_SCATTER_TYPES = ("row_wise", "table_row_wise", "grid_shard")
 
 
 def device_constraints(
@@ -243,8 +246,9 @@ def device_constraints(
         model: the unsharded model.
         constraints: the user's per-table constraints.
         compute_device: ``"cpu"`` or ``"cuda"``.
-        reduce_scatter: whether the process group has a reduce-scatter: then bag tables are
-            also offered ``row_wise`` and ``table_row_wise`` (and may ask for ``grid_shard``).
+        reduce_scatter: whether the process group has a reduce-scatter: then bag tables may
+            ask for ``row_wise``, ``table_row_wise`` and ``grid_shard``, and managed-collision
+            bag tables are offered ``row_wise``.
 
     Returns:
         The constraints to plan with (``constraints`` itself on CUDA).
@@ -255,16 +259,20 @@ def device_constraints(
     if compute_device == "cuda":
         return constraints
     out = dict(constraints or {})
-    bag_types = (*CPU_SHARDING_TYPES, *(CPU_REDUCE_SCATTER_TYPES if reduce_scatter else ()))
+    managed = set(managed_input_sizes(model)) if reduce_scatter else set()
     for name, cfg in table_configs(model).items():
-        allowed = CPU_SEQUENCE_SHARDING_TYPES if isinstance(cfg, EmbeddingConfig) else bag_types
+        sequence = isinstance(cfg, EmbeddingConfig)
+        allowed = CPU_SEQUENCE_SHARDING_TYPES if sequence else CPU_SHARDING_TYPES
+        if name in managed and not sequence:
+            allowed = (*allowed, "row_wise")
         given = out.get(name)
         wanted = list(given.sharding_types or allowed) if given is not None else list(allowed)
         asked = given is not None and given.sharding_types is not None
-        if isinstance(cfg, EmbeddingConfig):
+        if sequence:
             accepted = (*allowed, CPU_SEQUENCE_ROW_WISE) if asked else allowed
         else:
-            accepted = (*allowed, "grid_shard") if asked and reduce_scatter else allowed
+            extra = CPU_REDUCE_SCATTER_TYPES if asked and reduce_scatter else ()
+            accepted = (*allowed, *extra)
         kept = [t for t in wanted if t in accepted]
         if not kept:
             raise ValueError(
