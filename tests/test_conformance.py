@@ -1,0 +1,80 @@
+"""TorchRec's own test models under ``strategy="torchrec"`` on 2 CPU ranks: what TorchRec runs,
+the strategy runs.
+
+One launch (``tests/scripts/conformance_ranks.py``) trains TorchRec's ``TestSparseNN``
+(unweighted and weighted tables) on every sharding type CPU runs, and
+``TestMixedEmbeddingSparseArch`` (an EBC and an EC), each beside an unsharded copy trained on
+the global batches, as ``torchrec.distributed.test_utils.test_sharding``'s
+``sharding_single_rank_test`` compares them (``torch.testing.assert_close`` with its default
+float32 tolerances); and resumes ``torchrec.models``' ``DLRM_DCN`` (row-wise tables) and
+``DeepFM`` from a checkpoint, bit for bit.
+
+The row-wise types (``row_wise``, ``table_row_wise``, ``grid_shard``) need a gloo with both
+reduce-scatter forms TorchRec calls: ``reduce_scatter_tensor`` (torch 2.2, pytorch#112144) and
+``reduce_scatter`` (torch 2.8, pytorch#149869). On an older stack they are left out by name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import assert_same, load_ranks, run_script
+
+#: Whether this stack's gloo has both reduce-scatter forms (see the module docstring).
+GLOO_REDUCE_SCATTER = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 8)
+ALWAYS = ["table_wise", "column_wise", "table_column_wise", "data_parallel"]
+REDUCE_SCATTER = ["row_wise", "table_row_wise", "grid_shard"]
+TYPES = ALWAYS + (REDUCE_SCATTER if GLOO_REDUCE_SCATTER else [])
+#: TorchRec's tower models wrap their interaction in DDP(device_ids=[device]): CUDA only, in
+#: scripts/gpu_run.sh's list instead.
+CUDA_ONLY_MODELS = ("TestTowerSparseNN", "TestTowerCollectionSparseNN")
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("conformance")
+    run_script("conformance_ranks.py", str(out), ",".join(TYPES), timeout=600)
+    return out
+
+
+def compare(out: Path, tag: str, types: list[str]) -> dict[str, float]:
+    """Each type's plan and predictions against the unsharded copy; the largest differences."""
+    ranks = load_ranks(out, tag)
+    assert sorted(ranks[0]) == sorted(types)
+    largest: dict[str, float] = {}
+    for sharding_type in types:
+        plan = ranks[0][sharding_type]["plan"]
+        assert set(plan.values()) == {sharding_type}, plan
+        local = torch.cat([r[sharding_type]["local"] for r in ranks])
+        unsharded = ranks[0][sharding_type]["global"]
+        assert torch.equal(unsharded, ranks[1][sharding_type]["global"])
+        moved = float((unsharded - ranks[0][sharding_type]["before"]).abs().max())
+        assert moved > 1e-3, f"{sharding_type}: training did not change the predictions"
+        torch.testing.assert_close(local, unsharded)  # TorchRec's tolerance: the defaults
+        largest[sharding_type] = float((local - unsharded).abs().max())
+    print(f"{tag}: largest |sharded - unsharded| per type: {largest}")
+    return largest
+
+
+def test_test_sparse_nn_trains_as_unsharded_on_every_cpu_sharding_type(out: Path) -> None:
+    compare(out, "sparse_nn", TYPES)
+
+
+@pytest.mark.skipif(not GLOO_REDUCE_SCATTER, reason="this stack's gloo has no reduce_scatter")
+def test_row_wise_types_run_on_cpu_where_gloo_can_reduce_scatter(out: Path) -> None:
+    assert set(REDUCE_SCATTER) <= set(load_ranks(out, "sparse_nn")[0])
+
+
+def test_mixed_ebc_and_ec_model_trains_as_unsharded(out: Path) -> None:
+    types = [t for t in ("table_wise", "column_wise", "row_wise") if t in TYPES]
+    compare(out, "mixed", types)
+
+
+@pytest.mark.parametrize("model", ["dlrm_dcn", "deepfm"])
+def test_torchrec_models_resume_bit_for_bit(out: Path, model: str) -> None:
+    for rank in load_ranks(out, f"resume_{model}"):
+        assert rank["straight"], "nothing recorded"
+        assert_same(rank["straight"], rank["resumed"])
