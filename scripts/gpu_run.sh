@@ -31,6 +31,12 @@
 #   ACCEL           cuda (default) or cpu (to try this script on a machine without a GPU)
 #   SKIP_INSTALL=1  do not install wheels (the environment already has them)
 #   FORCE_STUBS     space-separated module names to stub even if installed (testing only)
+#
+# CUDA-only conformance, not yet among the checks (the CPU suite, tests/test_conformance.py,
+# cannot run them; the strategy refuses them on CPU by name): TorchRec's TestTowerSparseNN and
+# TestTowerCollectionSparseNN with EmbeddingTowerSharder / EmbeddingTowerCollectionSharder (each
+# tower's interaction is wrapped in DDP(device_ids=[device])), compared with an unsharded copy
+# trained on the global batch as torchrec's sharding_single_rank_test does.
 set -uo pipefail
 
 PART="${1:-all}"

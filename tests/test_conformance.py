@@ -73,8 +73,25 @@ def test_mixed_ebc_and_ec_model_trains_as_unsharded(out: Path) -> None:
     compare(out, "mixed", types)
 
 
-@pytest.mark.parametrize("model", ["dlrm_dcn", "deepfm"])
-def test_torchrec_models_resume_bit_for_bit(out: Path, model: str) -> None:
+ROW_WISE = "row_wise" if GLOO_REDUCE_SCATTER else "table_wise"
+
+
+@pytest.mark.parametrize(
+    ("model", "sharding_type"),
+    [
+        ("dlrm_dcn", ROW_WISE),
+        ("deepfm", "table_wise"),
+        pytest.param(
+            "mc_ebc",
+            "row_wise",
+            marks=pytest.mark.skipif(not GLOO_REDUCE_SCATTER, reason="gloo: no reduce_scatter"),
+        ),
+    ],
+)
+def test_torchrec_models_resume_bit_for_bit(out: Path, model: str, sharding_type: str) -> None:
+    """DLRM_DCN row-wise, DeepFM table-wise, and a ManagedCollisionEmbeddingBagCollection
+    (TorchRec shards it row-wise only; the planner is offered that on CPU where gloo can)."""
     for rank in load_ranks(out, f"resume_{model}"):
+        assert set(rank["plan"].values()) == {sharding_type}, rank["plan"]
         assert rank["straight"], "nothing recorded"
         assert_same(rank["straight"], rank["resumed"])

@@ -17,6 +17,7 @@ Phases (each rank writes ``{phase}_rank{r}.pt`` into argv[1]):
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -43,6 +44,7 @@ OUT = Path(sys.argv[1])
 TYPES = sys.argv[2].split(",") if len(sys.argv) > 2 and sys.argv[2] else []
 STEPS = int(os.environ.get("CONFORMANCE_STEPS", "3"))
 HALF = 2
+RAW = 4000  # managed-collision tables: raw ids below this, remapped into 40 rows
 BATCH = 8
 SGD = {"optimizer": "exact_sgd", "learning_rate": 0.1}
 QUIET: dict[str, Any] = {
@@ -206,6 +208,46 @@ def mixed() -> None:
     against_unsharded("mixed", build, tables, [], types)
 
 
+class ManagedBags(nn.Module):
+    """A ``ManagedCollisionEmbeddingBagCollection`` (raw ids below ``RAW``) and a linear head."""
+
+    def __init__(self, tables: list[EmbeddingBagConfig]) -> None:
+        super().__init__()
+        from torchrec.modules.mc_embedding_modules import (
+            ManagedCollisionEmbeddingBagCollection,
+        )
+        from torchrec.modules.mc_modules import (
+            LFU_EvictionPolicy,
+            ManagedCollisionCollection,
+            MCHManagedCollisionModule,
+        )
+
+        # Evicted rows are re-initialised with init_fn: zeros keeps resume exact.
+        tables = [dataclasses.replace(t, init_fn=nn.init.zeros_) for t in tables]
+        mc = ManagedCollisionCollection(
+            {
+                t.name: MCHManagedCollisionModule(
+                    zch_size=t.num_embeddings,
+                    device=torch.device("cpu"),
+                    eviction_policy=LFU_EvictionPolicy(),
+                    eviction_interval=1,
+                    input_hash_size=RAW,
+                    buckets=2,
+                    name=t.name,
+                )
+                for t in tables
+            },
+            tables,
+        )
+        ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+        self.mc_ebc = ManagedCollisionEmbeddingBagCollection(ebc, mc)
+        self.over = nn.Linear(4 + 2 * 8, 1)
+
+    def forward(self, dense: torch.Tensor, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        pooled, _ = self.mc_ebc(kjt)
+        return self.over(torch.cat([dense, pooled["f0"], pooled["f1"]], dim=1))
+
+
 class DLRMWrapped(L.LightningModule):
     """``torchrec.models``' DLRM_DCN or DeepFM with a BCE loss on ``(dense, kjt, labels)``."""
 
@@ -222,7 +264,9 @@ class DLRMWrapped(L.LightningModule):
             for i in range(2)
         ]
         ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
-        if kind == "dlrm_dcn":
+        if kind == "mc_ebc":
+            self.model = ManagedBags(tables)
+        elif kind == "dlrm_dcn":
             self.model: nn.Module = DLRM_DCN(
                 ebc,
                 dense_in_features=4,
@@ -248,12 +292,14 @@ class DLRMWrapped(L.LightningModule):
         return torch.optim.Adagrad(dense_parameters(self), lr=0.05)
 
 
-def click_batches(r: int, n: int) -> list[tuple[torch.Tensor, KeyedJaggedTensor, torch.Tensor]]:
+def click_batches(
+    r: int, n: int, ids_below: int = 40
+) -> list[tuple[torch.Tensor, KeyedJaggedTensor, torch.Tensor]]:
     out = []
     for s in range(n):
         g = torch.Generator().manual_seed(1000 * r + s)
         lengths = torch.randint(0, 3, (2 * BATCH,), generator=g)
-        ids = torch.randint(0, 40, (int(lengths.sum()),), generator=g)
+        ids = torch.randint(0, ids_below, (int(lengths.sum()),), generator=g)
         out.append(
             (
                 torch.randn(BATCH, 4, generator=g),
@@ -270,15 +316,20 @@ def resume() -> None:
     At an epoch's end: Lightning replays an epoch from its start when resuming mid-epoch from a
     loader without ``state_dict``.
     """
-    data = PerRank([click_batches(r, HALF) for r in range(2)])
     row_wise = "row_wise" if "row_wise" in TYPES else "table_wise"  # where gloo can
-    for kind, sharding_type in (("dlrm_dcn", row_wise), ("deepfm", "table_wise")):
+    runs: list[tuple[str, str | None]] = [("dlrm_dcn", row_wise), ("deepfm", "table_wise")]
+    if "row_wise" in TYPES:  # managed collision: row-wise only, offered by the planner itself
+        runs.append(("mc_ebc", None))
+    for kind, sharding_type in runs:
+        data = PerRank([click_batches(r, HALF, RAW if kind == "mc_ebc" else 40) for r in range(2)])
         ckpt_dir = OUT / f"ckpt_{kind}"
         states = {}
         for run in ("straight", "resumed"):
             module = DLRMWrapped(kind)
             strategy = TorchRecStrategy(
-                constraints=constrained(["t0", "t1"], sharding_type), log_plan=False
+                constraints=constrained(["t0", "t1"], sharding_type) if sharding_type else None,
+                fused_params=SGD if kind == "mc_ebc" else None,  # CPU: no Adagrad state reset
+                log_plan=False,
             )
             extra: dict[str, Any] = {"max_steps": 2 * HALF}
             if run == "straight":
@@ -291,6 +342,8 @@ def resume() -> None:
             trainer = fit(module, data, strategy, **extra)
             assert trainer.global_step == 2 * HALF, trainer.global_step
             states[run] = local_view(module.state_dict())
+            plan = trainer.strategy.sharding_plan.plan
+            states["plan"] = {t: ps.sharding_type for m in plan.values() for t, ps in m.items()}
         torch.save(states, OUT / f"resume_{kind}_rank{rank()}.pt")
 
 
