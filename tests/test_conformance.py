@@ -16,6 +16,7 @@ reduce-scatter forms TorchRec calls: ``reduce_scatter_tensor`` (torch 2.2, pytor
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,8 @@ REDUCE_SCATTER = ["row_wise", "table_row_wise", "grid_shard"]
 TYPES = ALWAYS + (REDUCE_SCATTER if GLOO_REDUCE_SCATTER else [])
 #: TorchRec's tower models wrap their interaction in DDP(device_ids=[device]): CUDA only, in
 #: scripts/gpu_run.sh's list instead.
+#: Steps per epoch of the resume runs (conformance_ranks.HALF).
+HALF = 2
 CUDA_ONLY_MODELS = ("TestTowerSparseNN", "TestTowerCollectionSparseNN")
 
 
@@ -95,3 +98,32 @@ def test_torchrec_models_resume_bit_for_bit(out: Path, model: str, sharding_type
         assert set(rank["plan"].values()) == {sharding_type}, rank["plan"]
         assert rank["straight"], "nothing recorded"
         assert_same(rank["straight"], rank["resumed"])
+
+
+@pytest.mark.skipif(not GLOO_REDUCE_SCATTER, reason="this stack's gloo has no reduce_scatter")
+def test_a_row_wise_checkpoint_reshards_table_wise_and_exports(out: Path, tmp_path: Path) -> None:
+    """DLRM_DCN's row-wise checkpoint of step 2, resumed table-wise to step 4, ends where the
+    row-wise run ends; the row-wise checkpoint exports, and the fp32 artifact predicts as the
+    float model loaded from its consolidated weights."""
+    from lightning_torchrec import consolidate, load_plain_weights
+    from lightning_torchrec.export import export
+
+    with warnings.catch_warnings():  # torchrec's test_utils use torch.jit.script at import
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from tests.scripts.conformance_ranks import HALF as SCRIPT_HALF
+        from tests.scripts.conformance_ranks import DLRMWrapped
+    assert SCRIPT_HALF == HALF
+
+    ranks = load_ranks(out, "resume_dlrm_dcn")
+    assert set(ranks[0]["resharded_plan"].values()) == {"table_wise"}
+    row_wise = out / "ckpt_dlrm_dcn_straight" / f"epoch=1-step={2 * HALF}.ckpt"
+    table_wise = out / "ckpt_dlrm_dcn_resharded" / f"epoch=1-step={2 * HALF}.ckpt"
+    plain = torch.load(consolidate(row_wise, tmp_path / "row_wise.pt"))
+    assert_same(plain, torch.load(consolidate(table_wise, tmp_path / "table_wise.pt")))
+
+    result = export(row_wise, DLRMWrapped("dlrm_dcn"), dtype="fp32")
+    float_model = DLRMWrapped("dlrm_dcn")
+    load_plain_weights(float_model, plain)
+    inputs = float_model.example_inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(result.model(*inputs), float_model.eval()(*inputs))

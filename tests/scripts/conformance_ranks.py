@@ -26,7 +26,6 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from rank_state import local_view  # sibling module (script directory)
 from torch import nn
 from torch.utils.data import DataLoader
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingConfig
@@ -40,8 +39,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_torchrec import TorchRecStrategy, dense_parameters
 
-OUT = Path(sys.argv[1])
-TYPES = sys.argv[2].split(",") if len(sys.argv) > 2 and sys.argv[2] else []
+OUT = Path(sys.argv[1]) if __name__ == "__main__" else Path()
+TYPES = sys.argv[2].split(",") if __name__ == "__main__" and len(sys.argv) > 2 else []
 STEPS = int(os.environ.get("CONFORMANCE_STEPS", "3"))
 HALF = 2
 RAW = 4000  # managed-collision tables: raw ids below this, remapped into 40 rows
@@ -283,9 +282,17 @@ class DLRMWrapped(L.LightningModule):
                 deep_fm_dimension=4,
             )
 
+    def forward(self, dense: torch.Tensor, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        return self.model(dense, kjt)
+
+    def example_inputs(self) -> tuple[torch.Tensor, KeyedJaggedTensor]:
+        """Inputs to export with (a batch of the data)."""
+        dense, kjt, _ = click_batches(0, 1)[0]
+        return dense, kjt
+
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         dense, kjt, labels = batch
-        logits = self.model(dense, kjt).squeeze(-1)
+        logits = self(dense, kjt).squeeze(-1)
         return nn.functional.binary_cross_entropy_with_logits(logits, labels)
 
     def configure_optimizers(self) -> Any:
@@ -316,34 +323,45 @@ def resume() -> None:
     At an epoch's end: Lightning replays an epoch from its start when resuming mid-epoch from a
     loader without ``state_dict``.
     """
+    from rank_state import local_view  # sibling module (script directory; the tests import this)
+
     row_wise = "row_wise" if "row_wise" in TYPES else "table_wise"  # where gloo can
     runs: list[tuple[str, str | None]] = [("dlrm_dcn", row_wise), ("deepfm", "table_wise")]
     if "row_wise" in TYPES:  # managed collision: row-wise only, offered by the planner itself
         runs.append(("mc_ebc", None))
     for kind, sharding_type in runs:
         data = PerRank([click_batches(r, HALF, RAW if kind == "mc_ebc" else 40) for r in range(2)])
-        ckpt_dir = OUT / f"ckpt_{kind}"
         states = {}
-        for run in ("straight", "resumed"):
+        # A row-wise checkpoint also resumes table-wise (resharded through the checkpoint).
+        resharded = kind == "dlrm_dcn" and sharding_type == "row_wise"
+        for run in ("straight", "resumed", "resharded")[: 3 if resharded else 2]:
             module = DLRMWrapped(kind)
+            types = "table_wise" if run == "resharded" else sharding_type
             strategy = TorchRecStrategy(
-                constraints=constrained(["t0", "t1"], sharding_type) if sharding_type else None,
+                constraints=constrained(["t0", "t1"], types) if types else None,
                 fused_params=SGD if kind == "mc_ebc" else None,  # CPU: no Adagrad state reset
                 log_plan=False,
             )
             extra: dict[str, Any] = {"max_steps": 2 * HALF}
-            if run == "straight":
+            if run != "resumed":
                 every = ModelCheckpoint(
-                    ckpt_dir, every_n_epochs=1, save_top_k=-1, save_on_train_epoch_end=True
+                    OUT / f"ckpt_{kind}_{run}",
+                    every_n_epochs=1,
+                    save_top_k=-1,
+                    save_on_train_epoch_end=True,
                 )
                 extra |= {"callbacks": [every], "enable_checkpointing": True}
-            else:
-                extra["ckpt_path"] = str(ckpt_dir / f"epoch=0-step={HALF}.ckpt")
+            if run != "straight":
+                extra["ckpt_path"] = str(OUT / f"ckpt_{kind}_straight/epoch=0-step={HALF}.ckpt")
             trainer = fit(module, data, strategy, **extra)
             assert trainer.global_step == 2 * HALF, trainer.global_step
-            states[run] = local_view(module.state_dict())
             plan = trainer.strategy.sharding_plan.plan
-            states["plan"] = {t: ps.sharding_type for m in plan.values() for t, ps in m.items()}
+            types_run = {t: ps.sharding_type for m in plan.values() for t, ps in m.items()}
+            if run == "resharded":
+                states["resharded_plan"] = types_run
+                continue
+            states[run] = local_view(module.state_dict())
+            states.setdefault("plan", types_run)
         torch.save(states, OUT / f"resume_{kind}_rank{rank()}.pt")
 
 
