@@ -14,6 +14,7 @@ from lightning.pytorch.plugins.precision import (
     MixedPrecision,
     Precision,
 )
+from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner.types import ParameterConstraints, Topology
@@ -327,3 +328,21 @@ def test_model_pruning_of_tables_is_refused_naming_them_and_dense_pruning_trains
     trainer = cpu_trainer(max_epochs=1, callbacks=[pruning], default_root_dir=tmp_path)
     trainer.fit(model, datamodule=data)
     assert int((layer.weight == 0).sum()) >= layer.weight.numel() // 2
+
+
+def test_tower_sharding_is_refused_on_cpu_naming_the_tower() -> None:
+    """TorchRec's tower sharders wrap each tower in DDP(device_ids=[device]): CUDA only."""
+    from torchrec.modules.embedding_tower import EmbeddingTower
+
+    tables = [
+        EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["f0"])
+    ]
+    model = nn.Module()
+    model.tower_0 = EmbeddingTower(
+        EmbeddingBagCollection(tables=tables, device=torch.device("meta")), nn.Identity()
+    )
+    plan = plan_of({"t0": sharding()}, module="tower_0")
+    with pytest.raises(ValueError, match=r"'tower_0' as a EmbeddingTower, which needs CUDA"):
+        check_plan(plan, 2, "cpu", model)
+    check_plan(plan, 2, "cuda", model)
+    check_plan(plan_of({"t0": sharding()}, module="tower_0.embedding"), 2, "cpu", model)
