@@ -82,6 +82,10 @@ class UnsafeCheckpointError(pickle.UnpicklingError, ValueError):
     """
 
 
+class UnsupportedDtypeError(ValueError):
+    """A tensor's dtype the output format has no name for (safetensors: ``complex64``...)."""
+
+
 class CheckpointWriteError(OSError):
     """Writing a checkpoint failed on some rank (e.g. disk full); names the file and the rank."""
 

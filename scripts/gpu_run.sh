@@ -42,6 +42,11 @@
 #     own methods; on the CPU compat/pipelines.py overrides three);
 #   - not here (two GPUs): collective_device() under nccl (the votes on the GPU) and the vote
 #     ahead carrying the previous step's loss (host_runs_ahead, StepMode.loss_after_vote).
+# CUDA-only conformance, not yet among the checks (the CPU suite, tests/test_conformance.py,
+# cannot run them; the strategy refuses them on CPU by name): TorchRec's TestTowerSparseNN and
+# TestTowerCollectionSparseNN with EmbeddingTowerSharder / EmbeddingTowerCollectionSharder (each
+# tower's interaction is wrapped in DDP(device_ids=[device])), compared with an unsharded copy
+# trained on the global batch as torchrec's sharding_single_rank_test does.
 set -uo pipefail
 
 PART="${1:-all}"

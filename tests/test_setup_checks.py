@@ -14,6 +14,7 @@ from lightning.pytorch.plugins.precision import (
     MixedPrecision,
     Precision,
 )
+from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner.types import ParameterConstraints, Topology
@@ -260,6 +261,17 @@ def test_cpu_planning_offers_only_what_each_table_can_run() -> None:
     mine = {"bag": ParameterConstraints(sharding_types=["row_wise", "table_wise"])}
     assert device_constraints(model, mine, "cpu")["bag"].sharding_types == ["table_wise"]
     assert device_constraints(model, mine, "cuda") is mine
+    # where gloo has a reduce-scatter: row-wise types when asked; the default offer unchanged
+    rs = device_constraints(model, mine, "cpu", reduce_scatter=True)
+    assert rs["bag"].sharding_types == ["row_wise", "table_wise"]
+    assert device_constraints(model, None, "cpu", reduce_scatter=True) == out
+    grid = {"bag": ParameterConstraints(sharding_types=["grid_shard", "table_row_wise"])}
+    assert device_constraints(model, grid, "cpu", reduce_scatter=True)["bag"].sharding_types == [
+        "grid_shard",
+        "table_row_wise",
+    ]
+    with pytest.raises(ValueError, match=r"'bag'.*cannot run on CPU"):
+        device_constraints(model, grid, "cpu")
     with pytest.raises(ValueError, match=r"'seq'.*cannot run on CPU"):
         device_constraints(
             model, {"seq": ParameterConstraints(sharding_types=["data_parallel"])}, "cpu"
@@ -314,3 +326,21 @@ def test_model_pruning_of_tables_is_refused_naming_them_and_dense_pruning_trains
     trainer = cpu_trainer(max_epochs=1, callbacks=[pruning], default_root_dir=tmp_path)
     trainer.fit(model, datamodule=data)
     assert int((layer.weight == 0).sum()) >= layer.weight.numel() // 2
+
+
+def test_tower_sharding_is_refused_on_cpu_naming_the_tower() -> None:
+    """TorchRec's tower sharders wrap each tower in DDP(device_ids=[device]): CUDA only."""
+    from torchrec.modules.embedding_tower import EmbeddingTower
+
+    tables = [
+        EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["f0"])
+    ]
+    model = nn.Module()
+    model.tower_0 = EmbeddingTower(
+        EmbeddingBagCollection(tables=tables, device=torch.device("meta")), nn.Identity()
+    )
+    plan = plan_of({"t0": sharding()}, module="tower_0")
+    with pytest.raises(ValueError, match=r"'tower_0' as a EmbeddingTower, which needs CUDA"):
+        check_plan(plan, 2, "cpu", model)
+    check_plan(plan, 2, "cuda", model)
+    check_plan(plan_of({"t0": sharding()}, module="tower_0.embedding"), 2, "cpu", model)

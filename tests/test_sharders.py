@@ -19,6 +19,7 @@ from torchrec.distributed.types import (
 from lightning_torchrec.sharding.sharders import (
     DeviceAwareMCEBCSharder,
     DeviceAwareMCECSharder,
+    ReduceScatterEBCSharder,
     default_fused_params,
     default_sharders,
     has_fused_tables,
@@ -58,12 +59,13 @@ def test_unknown_fused_optimizer_name_lists_the_known_ones() -> None:
 def test_default_sharders_carry_the_fused_params() -> None:
     sharders = default_sharders({"learning_rate": 0.3})
     assert [type(s) for s in sharders[:5]] == [
-        EmbeddingBagCollectionSharder,
+        ReduceScatterEBCSharder,
         EmbeddingCollectionSharder,
         FeatureProcessedEmbeddingBagCollectionSharder,
         DeviceAwareMCEBCSharder,
         DeviceAwareMCECSharder,
     ]
+    assert isinstance(sharders[0], EmbeddingBagCollectionSharder)
     assert isinstance(sharders[3], ManagedCollisionEmbeddingBagCollectionSharder)
     assert isinstance(sharders[4], ManagedCollisionEmbeddingCollectionSharder)
     expected = {"optimizer": ADAGRAD, "learning_rate": 0.3, "eps": 1e-8}
@@ -73,6 +75,23 @@ def test_default_sharders_carry_the_fused_params() -> None:
     modules = [s.module_type for s in sharders]
     assert len(modules) == len(set(modules))
     assert {s.module_type for s in get_default_sharders()} <= set(modules)
+
+
+def test_the_ebc_sharder_offers_row_wise_types_on_cpu_only_where_gloo_can_reduce_scatter() -> None:
+    torchrec_cpu = EmbeddingBagCollectionSharder().sharding_types("cpu")
+    assert "row_wise" not in torchrec_cpu
+    without, with_rs = (
+        default_sharders(None, cpu_reduce_scatter=rs)[0].sharding_types("cpu")
+        for rs in (False, True)
+    )
+    assert without == torchrec_cpu
+    assert with_rs == [*torchrec_cpu, "row_wise", "table_row_wise", "grid_shard"]
+    mc_with, mc_without = (default_sharders(None, cpu_reduce_scatter=rs)[3] for rs in (True, False))
+    assert isinstance(mc_with, ManagedCollisionEmbeddingBagCollectionSharder)
+    assert mc_with.sharding_types("cpu") == ["row_wise"]  # managed collision is row-wise only
+    assert mc_without.sharding_types("cpu") == []
+    cuda = default_sharders(None)[0].sharding_types("cuda")
+    assert cuda == EmbeddingBagCollectionSharder().sharding_types("cuda")
 
 
 def test_has_fused_tables() -> None:

@@ -43,6 +43,7 @@ from lightning_torchrec.errors import (
     CheckpointLimitError,
     CheckpointMismatchError,
     UnsafeCheckpointError,
+    UnsupportedDtypeError,
 )
 from tests.helpers import ROOT, clean_env
 from tests.scripts import hostile
@@ -559,3 +560,14 @@ def test_entry_sizes_without_torchs_size_reader_are_those_torch_reads() -> None:
     _, old = opened(hostile.two_faced(hostile.torch_bytes({"x": _Bytearray()}), real))
     with pytest.raises(RuntimeError, match="bytes before the zip archive"):
         old.size("data.pkl")
+
+
+def test_a_dtype_safetensors_cannot_name_is_a_named_error_naming_the_tensor(
+    ckpt: Path, tmp_path: Path
+) -> None:
+    md = metadata(ckpt)
+    md.state_dict_metadata[WEIGHT].properties.dtype = torch.complex64
+    dump(ckpt, md)
+    with pytest.raises(UnsupportedDtypeError, match=r"'0\.weight'.*complex64.*write a \.pt"):
+        consolidate(ckpt, tmp_path / "plain.safetensors")
+    assert not (tmp_path / "plain.safetensors").exists()

@@ -49,13 +49,34 @@ def test_strategy_by_name_trains() -> None:
     assert isinstance(t.optimizers[0], DenseAndFusedOptimizer)
 
 
-def test_row_wise_on_cpu_is_refused_naming_the_table() -> None:
-    strategy = TorchRecStrategy(constraints=sharding_constraints({"t_cat_1": "row_wise"}))
-    with pytest.raises(ValueError, match=r"'t_cat_1'.*needs CUDA.*table_wise"):
+def _gloo_without_reduce_scatter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Makes this process's gloo behave as one before torch 2.2: no reduce-scatter."""
+    import torch.distributed as dist
+
+    def missing(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("ProcessGroupGloo does not support reduce_scatter")
+
+    monkeypatch.setattr(dist, "reduce_scatter_tensor", missing)
+
+
+def test_row_wise_on_cpu_runs_where_gloo_can_and_is_refused_naming_the_table_where_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    constraints = sharding_constraints({"t_cat_1": "row_wise"})
+    t = trainer(TorchRecStrategy(constraints=constraints))
+    t.fit(tiny_dlrm(), datamodule=tiny_data())  # this stack's gloo has a reduce-scatter
+    assert t.global_step == 3
+    assert t.strategy.plan_summary is not None
+    assert "| t_cat_1 |" in (md := t.strategy.plan_summary.to_markdown()) and "row_wise" in md
+    _gloo_without_reduce_scatter(monkeypatch)
+    strategy = TorchRecStrategy(constraints=constraints)
+    with pytest.raises(ValueError, match=r"'t_cat_1'.*needs CUDA or a gloo with.*table_wise"):
         trainer(strategy).fit(tiny_dlrm(), datamodule=tiny_data())
 
 
-def test_explicit_row_wise_plan_is_refused() -> None:
+def test_explicit_row_wise_plan_is_refused_where_gloo_has_no_reduce_scatter(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from torchrec.distributed.planner.types import Topology
 
     from lightning_torchrec.sharding.planning import default_sharders, make_planner
@@ -63,6 +84,7 @@ def test_explicit_row_wise_plan_is_refused() -> None:
     model, row_wise = tiny_dlrm(), sharding_constraints({"t_cat_0": "row_wise"})
     topology = Topology(world_size=2, compute_device="cuda", local_world_size=2)
     plan = make_planner(model, topology, row_wise).plan(model, default_sharders(None))
+    _gloo_without_reduce_scatter(monkeypatch)
     with pytest.raises(ValueError, match="needs CUDA"):
         trainer(TorchRecStrategy(plan=plan)).fit(tiny_dlrm(), datamodule=tiny_data())
 

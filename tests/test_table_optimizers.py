@@ -71,12 +71,15 @@ def kernel_lrs(dmp: nn.Module) -> dict[str, float]:
 
 @pytest.mark.usefixtures("one_rank_group")
 def test_a_table_with_its_own_optimizer_is_planned_fused_and_trains_with_it() -> None:
-    # Small CPU tables are planned data-parallel, where an in-backward optimizer is dropped.
-    plain = shard_model(Tutorial({}), CPU)
+    # Small CPU tables are planned data-parallel when allowed, where an in-backward optimizer
+    # is dropped.
+    allowed = {"t0": ParameterConstraints(sharding_types=["data_parallel", "table_wise"])}
+    plain = shard_model(Tutorial({}), CPU, constraints=allowed)
     assert plain.plan.plan["ebc"]["t0"].compute_kernel == "dense"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        sharded = shard_model(Tutorial({"t0": (torch.optim.SGD, {"lr": 0.5})}), CPU)
+        own = Tutorial({"t0": (torch.optim.SGD, {"lr": 0.5})})
+        sharded = shard_model(own, CPU, constraints=allowed)
     assert sharded.plan.plan["ebc"]["t0"].compute_kernel == "fused"
     assert sharded.own_optimizers == {"t0"}
     assert kernel_lrs(sharded.dmp)["t0"] == 0.5

@@ -125,9 +125,40 @@ def test_lengths_per_feature_keys_dtypes_and_weights_each_give_a_named_error() -
     )
 
 
-def test_unknown_and_missing_keys() -> None:
-    msg = check(batch(keys=["cat_0", "cat_9"]))
-    assert "['cat_9'] are read by no table" in msg
+def unread_batch(cat_0: list[int], cat_1: list[int], order: list[str]) -> Batch:
+    """cat_0 and cat_1 (one id per sample) and cat_9, which no table reads, holding ids out of
+    range or negative for any table (2 for sample 0, none for sample 1), keys in ``order``."""
+    ids = {"cat_0": cat_0, "cat_1": cat_1, "cat_9": [-5, 10**12]}
+    lengths = {"cat_0": [1, 1], "cat_1": [1, 1], "cat_9": [2, 0]}
+    return batch(
+        torch.tensor([i for k in order for i in ids[k]]),
+        torch.tensor([n for k in order for n in lengths[k]]),
+        order,
+    )
+
+
+def test_features_no_table_reads_are_ignored_named_once_and_read_ones_still_checked() -> None:
+    specs = feature_specs(model())  # remembers the features it named
+    good = unread_batch([1, 2], [3, 19], ["cat_0", "cat_1", "cat_9"])
+    with pytest.warns(UserWarning, match=r"\['cat_9'\] of the batch are read by no table") as w:
+        for _ in range(3):  # named once, not at every step
+            validate_batch(good, specs, num_dense_features=3)
+    assert len([x for x in w if "read by no table" in str(x.message)]) == 1
+    # every bad id of a feature a table reads is still refused, wherever the unread one sits
+    for order in (["cat_0", "cat_9", "cat_1"], ["cat_9", "cat_0", "cat_1"]):
+        validate_batch(unread_batch([1, 2], [3, 19], order), specs, num_dense_features=3)
+        for cat_0, cat_1, culprit in (([1, 10], [3, 4], "'cat_0'"), ([1, 2], [-1, 4], "'cat_1'")):
+            with pytest.raises(BatchValidationError, match=culprit):
+                validate_batch(unread_batch(cat_0, cat_1, order), specs, num_dense_features=3)
+    # a feature a table reads that is missing stays an error, unread features or not
+    kjt = KeyedJaggedTensor(
+        ["cat_0", "cat_9"], torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1, 1, 0])
+    )
+    with pytest.raises(BatchValidationError, match=r"\['cat_1'\].*missing"):
+        validate_batch(Batch(torch.zeros(2, 3), kjt, torch.ones(2)), specs, num_dense_features=3)
+
+
+def test_missing_keys() -> None:
     kjt = KeyedJaggedTensor(
         keys=["cat_0"], values=torch.tensor([1, 2]), lengths=torch.ones(2).int()
     )

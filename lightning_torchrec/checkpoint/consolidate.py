@@ -48,7 +48,7 @@ from lightning_torchrec.checkpoint.unsharded import (
     iter_plain_tensors,
     plain_tensor_index,
 )
-from lightning_torchrec.errors import CheckpointWriteError
+from lightning_torchrec.errors import CheckpointWriteError, UnsupportedDtypeError
 
 __all__ = [
     "consolidate",
@@ -102,8 +102,10 @@ def consolidate(
         CheckpointCorruptError: if a file of the checkpoint is damaged, truncated or missing,
             naming it (nothing is written).
         UnsafeCheckpointError: if the checkpoint's metadata would run code when loaded.
-        ValueError: for an output inside the checkpoint, a dtype safetensors cannot hold, or a
-            URL of another file system (``s3://...``) as either path.
+        UnsupportedDtypeError: for a ``.safetensors`` output of a tensor whose dtype
+            safetensors has no name for (``complex64``...), naming the tensor.
+        ValueError: for an output inside the checkpoint, or a URL of another file system
+            (``s3://...``) as either path.
         FileExistsError: for an existing output without ``overwrite``.
         CheckpointWriteError: if writing the output failed (with the OS's errno).
     """
@@ -116,7 +118,13 @@ def consolidate(
     for name, meta in entries.items():
         dtype = meta.properties.dtype
         if dtype not in _DTYPES:
-            raise ValueError(f"{name}: dtype {dtype} has no safetensors name; write a .pt file")
+            if output.suffix != ".safetensors":
+                continue  # torch.save holds every dtype
+            raise UnsupportedDtypeError(
+                f"tensor {name!r} of checkpoint {checkpoint} has dtype {dtype}, which "
+                f"safetensors has no name for (it holds {sorted(_DTYPES.values())}): write a "
+                ".pt file instead (an output path not ending in .safetensors)."
+            )
         nbytes = torch.Size(meta.size).numel() * torch.empty((), dtype=dtype).element_size()
         header[name] = {
             "dtype": _DTYPES[dtype],

@@ -84,6 +84,9 @@ class FeatureSpecs(dict[str, FeatureSpec]):
             feature for feature in self if len(set(self._readers(feature).values())) > 1
         )
         self._resolved: dict[tuple[str, ...], Mapping[str, FeatureSpec]] = {}
+        #: Batch features no table reads that a warning has named already (TorchRec ignores
+        #: such features; they are named once, not at every step).
+        self.unread_named: set[str] = set()
 
     def __reduce__(self) -> tuple[object, ...]:  # pickled into DataLoader workers
         return (FeatureSpecs, (dict(self), self.collections))

@@ -22,19 +22,15 @@ import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.model_parallel import DataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner
-from torchrec.distributed.planner.storage_reservations import HeuristicalStorageReservation
 from torchrec.distributed.planner.types import (
-    KernelConfig,
     ParameterConstraints,
-    Topology,
-    TopologyFactory,
-    TrainerConfig,
 )
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 
 from lightning_torchrec.compat.fused import estimated_optimizers, fused_param_groups, kernel_tables
 from lightning_torchrec.compat.upstream import planner_topology
 from lightning_torchrec.distributed import broadcast_from_rank0
+from lightning_torchrec.sharding.capabilities import probe_reduce_scatter
 from lightning_torchrec.sharding.features import FeatureSpec, feature_specs
 from lightning_torchrec.sharding.key_order import keep_key_order
 from lightning_torchrec.sharding.layout import copy_into_shards
@@ -46,6 +42,10 @@ from lightning_torchrec.sharding.low_precision import (
 )
 from lightning_torchrec.sharding.nodes import local_world_size_env, resolve_local_world_size
 from lightning_torchrec.sharding.plan_summary import PlanSummary, summarize_plan
+from lightning_torchrec.sharding.planner import (
+    make_planner,
+    make_topology,
+)
 from lightning_torchrec.sharding.reuse import attach, check_reusable, recorded
 from lightning_torchrec.sharding.setup_checks import (
     check_constraints_for_device,
@@ -67,7 +67,6 @@ from lightning_torchrec.sharding.table_optimizers import (
     table_optimizers,
 )
 from lightning_torchrec.sharding.tables import (
-    dense_bytes,
     dense_width,
     embedding_modules,
     embedding_tables,
@@ -77,69 +76,6 @@ from lightning_torchrec.sharding.tables import (
 )
 
 logger = logging.getLogger(__name__)
-
-#: TorchRec's planner heuristic: dense parameters cost about 6x their size (weights, optimizer
-#: state, DDP buckets).
-DENSE_MULTIPLIER = 6
-
-
-def make_topology(
-    world_size: int,
-    local_world_size: int,
-    compute_device: str,
-    **trainer_config: Any,
-) -> Topology:
-    """A planner ``Topology`` for the Trainer's processes.
-
-    Lightning's launcher does not set ``LOCAL_WORLD_SIZE``; without it TorchRec assumes 8 local
-    devices, so it is passed explicitly.
-
-    Args:
-        world_size: total number of processes.
-        local_world_size: processes per node.
-        compute_device: ``"cpu"`` or ``"cuda"``.
-        **trainer_config: further ``TrainerConfig`` fields (e.g. ``hbm_cap_bytes``).
-
-    Returns:
-        The topology.
-    """
-    return TopologyFactory.create_topology(
-        trainer_config=TrainerConfig(
-            world_size=world_size, local_world_size=local_world_size, **trainer_config
-        ),
-        kernel_config=KernelConfig(compute_device=compute_device),
-    )
-
-
-def make_planner(
-    model: nn.Module,
-    topology: Topology,
-    constraints: dict[str, ParameterConstraints] | None = None,
-) -> EmbeddingShardingPlanner:
-    """TorchRec's planner, reserving memory for the dense part from the model's own parameters.
-
-    TorchRec's default reservation guesses the dense size by materialising nothing (a wrong
-    guess for meta models, with a warning) unless it is given ``dense_tensor_estimate``; this
-    passes ``DENSE_MULTIPLIER`` times the bytes of the parameters and buffers outside the
-    embedding modules.
-
-    Args:
-        model: the unsharded model.
-        topology: from :func:`make_topology`.
-        constraints: per-table planner constraints.
-
-    Returns:
-        The planner.
-    """
-    with warnings.catch_warnings():
-        # TorchRec 1.8+ warns on every construction, even with the estimate it asks for.
-        warnings.filterwarnings("ignore", "HeuristicalStorageReservation", FutureWarning)
-        reservation = HeuristicalStorageReservation(
-            percentage=0.15, dense_tensor_estimate=max(DENSE_MULTIPLIER * dense_bytes(model), 1)
-        )
-    return EmbeddingShardingPlanner(
-        topology=topology, constraints=constraints, storage_reservation=reservation
-    )
 
 
 def plan_collectively(
@@ -204,13 +140,21 @@ class ShardingConfig:
         if self.plan is not None and (self.constraints is not None or self.planner is not None):
             raise ValueError("`constraints` and `planner` make a plan; a plan was given: pass one.")
 
-    def resolved_sharders(self) -> list[ModuleSharder[nn.Module]]:
+    def resolved_sharders(
+        self, *, cpu_reduce_scatter: bool = False
+    ) -> list[ModuleSharder[nn.Module]]:
         """The sharders to use.
+
+        Args:
+            cpu_reduce_scatter: whether the CPU process group has a reduce-scatter (the default
+                EBC sharder then offers the row-wise types).
 
         Returns:
             ``sharders``, or the defaults with ``fused_params``.
         """
-        return self.sharders if self.sharders is not None else default_sharders(self.fused_params)
+        if self.sharders is not None:
+            return self.sharders
+        return default_sharders(self.fused_params, cpu_reduce_scatter=cpu_reduce_scatter)
 
 
 class ShardedModel(NamedTuple):
@@ -298,14 +242,16 @@ def shard_model(
         return _reuse(record.sharded, fused_params)
     world_size = dist.get_world_size()
     compute_device = "cuda" if device.type == "cuda" else "cpu"
-    check_constraints_for_device(constraints, compute_device, model)
+    # One probe per sharding, on every rank: may this CPU group run the row-wise types?
+    reduce_scatter = compute_device == "cpu" and probe_reduce_scatter()
+    check_constraints_for_device(constraints, compute_device, model, reduce_scatter=reduce_scatter)
     check_constraints_match_model(constraints, model)
     check_low_precision_for_device(low_precision_tables(model), compute_device)
     if plan is not None:
         check_plan_matches_model(plan, model)
     own = table_optimizers(model)  # apply_optimizer_in_backward's, over fused_params
     check_table_optimizers(own, compute_device)
-    sharders = config.resolved_sharders()
+    sharders = config.resolved_sharders(cpu_reduce_scatter=reduce_scatter)
     tables = list(table_configs(model))
     if set(tables) - set(own):
         check_fused_optimizer_for_device(sharders, compute_device)
@@ -313,12 +259,14 @@ def shard_model(
     if plan is None:
         if planner is None:
             topology = make_topology(world_size, local, compute_device)
-            narrowed = device_constraints(model, constraints, compute_device)
+            narrowed = device_constraints(
+                model, constraints, compute_device, reduce_scatter=reduce_scatter
+            )
             narrowed = low_precision_constraints(narrowed, low_precision_tables(model))
             planner = make_planner(model, topology, fused_constraints(narrowed, own))
         with estimated_optimizers(estimate_classes(model, own, sharders)):
             plan = plan_collectively(planner, model, sharders, planner_topology(planner))
-    check_plan(plan, world_size, compute_device, model)
+    check_plan(plan, world_size, compute_device, model, reduce_scatter=reduce_scatter)
     check_plan_kernels(plan, own)
     for note in (
         precedence_note(own, tables, fused_params),

@@ -16,7 +16,13 @@ from torch import nn
 from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.distributed.types import ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingConfig
+from torchrec.modules.embedding_tower import EmbeddingTower, EmbeddingTowerCollection
 
+from lightning_torchrec.sharding.capabilities import (
+    missing_collective_note,
+    reduce_scatter_types,
+)
+from lightning_torchrec.sharding.features import managed_input_sizes
 from lightning_torchrec.sharding.tables import (
     human_bytes,
     module_table_configs,
@@ -24,11 +30,14 @@ from lightning_torchrec.sharding.tables import (
     table_configs,
 )
 
-#: Sharding types that need CUDA: gloo has no reduce-scatter for row-wise output dist.
-CUDA_ONLY_SHARDING_TYPES = frozenset({"row_wise", "table_row_wise", "grid_shard"})
-#: ... except ``row_wise`` for ``EmbeddingCollection`` tables: their sequence output dist is an
-#: all-to-all, which gloo has (trained, checkpointed and resumed on 2 CPU ranks in the tests).
+#: The types of :data:`~lightning_torchrec.sharding.capabilities.REDUCE_SCATTER_SHARDING_TYPES`
+#: run on CPU only where the stack's gloo has a reduce-scatter
+#: (:func:`~lightning_torchrec.sharding.capabilities.probe_reduce_scatter`), except ``row_wise``
+#: for ``EmbeddingCollection`` tables: their sequence output dist is an all-to-all, which every
+#: gloo has (trained, checkpointed and resumed on 2 CPU ranks in the tests).
 CPU_SEQUENCE_ROW_WISE = "row_wise"
+#: What a user may use instead, on a CPU stack without a reduce-scatter.
+_CPU_FALLBACK = "table_wise, column_wise, table_column_wise or data_parallel"
 
 
 def sequence_tables(model: nn.Module | None) -> set[str]:
@@ -49,6 +58,8 @@ def check_constraints_for_device(
     constraints: dict[str, ParameterConstraints] | None,
     compute_device: str,
     model: nn.Module | None = None,
+    *,
+    reduce_scatter: bool = False,
 ) -> None:
     """Refuses sharding types the compute device cannot run.
 
@@ -57,11 +68,15 @@ def check_constraints_for_device(
         compute_device: ``"cpu"`` or ``"cuda"``.
         model: the unsharded model, to recognise ``EmbeddingCollection`` tables (which may be
             row-wise on CPU); None treats every table as an ``EmbeddingBagCollection``'s.
+        reduce_scatter: whether the process group has a reduce-scatter (then CPU runs every
+            type of ``REDUCE_SCATTER_SHARDING_TYPES``).
 
     Raises:
-        ValueError: naming the table, when a CUDA-only type is the only choice on CPU.
+        ValueError: naming the table, when a reduce-scatter type is the only choice on a CPU
+            stack without one.
     """
-    if compute_device == "cuda" or not constraints:
+    refused = reduce_scatter_types(compute_device, reduce_scatter)
+    if not refused or not constraints:
         return
     sequence = sequence_tables(model)
     for table, c in constraints.items():
@@ -70,11 +85,10 @@ def check_constraints_for_device(
             types.discard(CPU_SEQUENCE_ROW_WISE)
             if not types:
                 continue
-        if types and types <= CUDA_ONLY_SHARDING_TYPES:
+        if types and types <= refused:
             raise ValueError(
-                f"Table {table!r} is constrained to {sorted(types)} sharding, which needs CUDA "
-                "(gloo has no reduce-scatter). On CPU use table_wise, column_wise, "
-                "table_column_wise or data_parallel, e.g. "
+                f"Table {table!r} is constrained to {sorted(types)} sharding, which "
+                f"{missing_collective_note()}. On this CPU stack use {_CPU_FALLBACK}, e.g. "
                 "ParameterConstraints(sharding_types=['table_wise'])."
             )
 
@@ -105,7 +119,12 @@ def check_constraints_match_model(
 
 
 def check_plan(
-    plan: ShardingPlan, world_size: int, compute_device: str, model: nn.Module | None = None
+    plan: ShardingPlan,
+    world_size: int,
+    compute_device: str,
+    model: nn.Module | None = None,
+    *,
+    reduce_scatter: bool = False,
 ) -> None:
     """Refuses a plan that cannot run on this world size and device.
 
@@ -113,12 +132,17 @@ def check_plan(
         plan: the sharding plan.
         world_size: number of processes.
         compute_device: ``"cpu"`` or ``"cuda"``.
-        model: the unsharded model, to recognise ``EmbeddingCollection`` tables.
+        model: the unsharded model, to recognise ``EmbeddingCollection`` tables and towers.
+        reduce_scatter: whether the process group has a reduce-scatter.
 
     Raises:
-        ValueError: naming the table, for CUDA-only sharding types on CPU, data-parallel
-            ``EmbeddingCollection`` tables on CPU, or ranks outside the world.
+        ValueError: naming the table, for reduce-scatter sharding types on a CPU stack without
+            one, data-parallel ``EmbeddingCollection`` tables on CPU, towers on CPU, or ranks
+            outside the world.
     """
+    refused = reduce_scatter_types(compute_device, reduce_scatter)
+    if model is not None and compute_device != "cuda":
+        check_no_towers(plan, model)
     for module_path, module_plan in plan.plan.items():
         configs = module_table_configs(model, module_path) if model is not None else {}
         for table, ps in module_plan.items():  # type: ignore[attr-defined]
@@ -131,15 +155,10 @@ def check_plan(
                     "split_with_sizes). Use table_wise, column_wise or table_column_wise."
                 )
             row_wise_sequence = sequence and ps.sharding_type == CPU_SEQUENCE_ROW_WISE
-            if (
-                compute_device != "cuda"
-                and ps.sharding_type in CUDA_ONLY_SHARDING_TYPES
-                and not row_wise_sequence
-            ):
+            if ps.sharding_type in refused and not row_wise_sequence:
                 raise ValueError(
-                    f"The plan shards {where} {ps.sharding_type}, which needs CUDA (gloo has no "
-                    "reduce-scatter). On CPU use table_wise, column_wise, table_column_wise or "
-                    "data_parallel."
+                    f"The plan shards {where} {ps.sharding_type}, which "
+                    f"{missing_collective_note()}. On this CPU stack use {_CPU_FALLBACK}."
                 )
             bad = [r for r in (ps.ranks or []) if not 0 <= r < world_size]
             if bad:
@@ -147,6 +166,34 @@ def check_plan(
                     f"The plan places {where} on ranks {bad}, but the world has {world_size} "
                     "ranks. Re-plan for this world size, or pass no plan to let the planner plan."
                 )
+
+
+def check_no_towers(plan: ShardingPlan, model: nn.Module) -> None:
+    """Refuses TorchRec's tower sharding on CPU, naming the tower.
+
+    TorchRec's tower sharders wrap each tower's interaction in
+    ``DistributedDataParallel(device_ids=[device])``, which DDP refuses for a CPU module.
+
+    Args:
+        plan: the sharding plan.
+        model: the unsharded model.
+
+    Raises:
+        ValueError: naming the first module the plan shards as a tower.
+    """
+    for module_path in plan.plan:
+        try:
+            module = model.get_submodule(module_path)
+        except AttributeError:
+            continue  # check_plan_matches_model names unknown modules
+        if isinstance(module, (EmbeddingTower, EmbeddingTowerCollection)):
+            raise ValueError(
+                f"The plan shards {module_path!r} as a {type(module).__name__}, which needs "
+                "CUDA: TorchRec's tower sharders wrap each tower's interaction in "
+                "DistributedDataParallel(device_ids=[device]), which DDP refuses on CPU. On CPU "
+                "leave out EmbeddingTowerSharder/EmbeddingTowerCollectionSharder, so the tables "
+                "inside the towers are sharded as plain embedding collections."
+            )
 
 
 def check_plan_matches_model(plan: ShardingPlan, model: nn.Module) -> None:
@@ -170,15 +217,24 @@ def check_plan_matches_model(plan: ShardingPlan, model: nn.Module) -> None:
             )
 
 
-#: Sharding types each kind of table can run on CPU (gloo has no reduce-scatter for row-wise;
-#: TorchRec's data-parallel sequence lookup fails on CPU). The planner is offered these; an
-#: ``EmbeddingCollection`` table may also be constrained to ``row_wise`` explicitly.
+#: Sharding types each kind of table can run on any CPU stack (TorchRec's data-parallel sequence
+#: lookup fails on CPU). The planner is offered these; an ``EmbeddingCollection`` table may also
+#: be constrained to ``row_wise`` explicitly.
 CPU_SHARDING_TYPES = ("table_wise", "column_wise", "table_column_wise", "data_parallel")
 CPU_SEQUENCE_SHARDING_TYPES = ("table_wise", "column_wise", "table_column_wise")
+#: Accepted for bag tables too where the group has a reduce-scatter, when asked for (constraints
+#: or a plan), as TorchRec's CPU sharder does not offer them itself: the default plan stays
+#: TorchRec's. A managed-collision bag table, which TorchRec shards row-wise only, is offered
+#: ``row_wise`` there.
+CPU_REDUCE_SCATTER_TYPES = ("row_wise", "table_row_wise", "grid_shard")
 
 
 def device_constraints(
-    model: nn.Module, constraints: dict[str, ParameterConstraints] | None, compute_device: str
+    model: nn.Module,
+    constraints: dict[str, ParameterConstraints] | None,
+    compute_device: str,
+    *,
+    reduce_scatter: bool = False,
 ) -> dict[str, ParameterConstraints] | None:
     """Planner constraints that keep every table to sharding types the device can run.
 
@@ -190,6 +246,9 @@ def device_constraints(
         model: the unsharded model.
         constraints: the user's per-table constraints.
         compute_device: ``"cpu"`` or ``"cuda"``.
+        reduce_scatter: whether the process group has a reduce-scatter: then bag tables may
+            ask for ``row_wise``, ``table_row_wise`` and ``grid_shard``, and managed-collision
+            bag tables are offered ``row_wise``.
 
     Returns:
         The constraints to plan with (``constraints`` itself on CUDA).
@@ -200,18 +259,20 @@ def device_constraints(
     if compute_device == "cuda":
         return constraints
     out = dict(constraints or {})
+    managed = set(managed_input_sizes(model)) if reduce_scatter else set()
     for name, cfg in table_configs(model).items():
-        allowed = (
-            CPU_SEQUENCE_SHARDING_TYPES if isinstance(cfg, EmbeddingConfig) else CPU_SHARDING_TYPES
-        )
+        sequence = isinstance(cfg, EmbeddingConfig)
+        allowed = CPU_SEQUENCE_SHARDING_TYPES if sequence else CPU_SHARDING_TYPES
+        if name in managed and not sequence:
+            allowed = (*allowed, "row_wise")
         given = out.get(name)
         wanted = list(given.sharding_types or allowed) if given is not None else list(allowed)
-        asked_row_wise = given is not None and given.sharding_types is not None
-        accepted = (
-            (*allowed, CPU_SEQUENCE_ROW_WISE)
-            if isinstance(cfg, EmbeddingConfig) and asked_row_wise
-            else allowed
-        )
+        asked = given is not None and given.sharding_types is not None
+        if sequence:
+            accepted = (*allowed, CPU_SEQUENCE_ROW_WISE) if asked else allowed
+        else:
+            extra = CPU_REDUCE_SCATTER_TYPES if asked and reduce_scatter else ()
+            accepted = (*allowed, *extra)
         kept = [t for t in wanted if t in accepted]
         if not kept:
             raise ValueError(

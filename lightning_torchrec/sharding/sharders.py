@@ -14,6 +14,8 @@ from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCol
 from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
 
+from lightning_torchrec.sharding.capabilities import REDUCE_SCATTER_SHARDING_TYPES
+
 #: Compute kernels whose tables are updated in the backward pass by a fused optimizer.
 FUSED_KERNELS = frozenset({"fused", "fused_uvm", "fused_uvm_caching", "key_value"})
 
@@ -100,22 +102,62 @@ class DeviceAwareMCEBCSharder(TableKernels, ManagedCollisionEmbeddingBagCollecti
         self.table_sharder = ebc_sharder
 
 
-def default_sharders(fused_params: dict[str, Any] | None) -> list[ModuleSharder[nn.Module]]:
+class ReduceScatterEBCSharder(EmbeddingBagCollectionSharder):
+    """TorchRec's EBC sharder, offering its CUDA row-wise types on a CPU group that can run them.
+
+    TorchRec's sharder offers ``row_wise``, ``table_row_wise`` and ``grid_shard`` on CUDA only;
+    their output dist is a reduce-scatter, which gloo has on newer torch
+    (:func:`~lightning_torchrec.sharding.capabilities.probe_reduce_scatter`). The managed-collision
+    and feature-processed EBC sharders built on this one follow it.
+
+    Args:
+        fused_params: fused optimizer settings.
+        cpu_reduce_scatter: whether the CPU group has a reduce-scatter.
+    """
+
+    def __init__(self, fused_params: dict[str, Any], cpu_reduce_scatter: bool) -> None:
+        super().__init__(fused_params=fused_params)
+        self.cpu_reduce_scatter = cpu_reduce_scatter
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        """TorchRec's types for the device, and on CPU its reduce-scatter ones where they run.
+
+        Args:
+            compute_device_type: ``cpu`` or ``cuda``.
+
+        Returns:
+            The sharding type names, TorchRec's order first.
+        """
+        types = list(super().sharding_types(compute_device_type))
+        if compute_device_type == "cpu" and self.cpu_reduce_scatter:
+            types += [
+                t
+                for t in super().sharding_types("cuda")
+                if t in REDUCE_SCATTER_SHARDING_TYPES and t not in types
+            ]
+        return types
+
+
+def default_sharders(
+    fused_params: dict[str, Any] | None, *, cpu_reduce_scatter: bool = False
+) -> list[ModuleSharder[nn.Module]]:
     """TorchRec's default sharders, the training ones with the fused optimizer's settings.
 
     EBC, EC, feature-processed EBC and managed-collision EBC/EC sharders get ``fused_params``
     (merged over :func:`default_fused_params`); the managed-collision ones offer only the
-    kernels the device has (:class:`DeviceAwareMCECSharder`); the rest of TorchRec's defaults
-    are kept as is.
+    kernels the device has (:class:`DeviceAwareMCECSharder`); the EBC sharder offers the
+    reduce-scatter types on a CPU group that has one (:class:`ReduceScatterEBCSharder`); the
+    rest of TorchRec's defaults are kept as is.
 
     Args:
         fused_params: fused optimizer settings (``optimizer``, ``learning_rate``, ...).
+        cpu_reduce_scatter: whether the CPU process group has a reduce-scatter.
 
     Returns:
         The sharders.
     """
     params = resolve_fused_params(fused_params)
-    ebc = EmbeddingBagCollectionSharder(fused_params=params)
+    ebc = ReduceScatterEBCSharder(params, cpu_reduce_scatter)
     ec = EmbeddingCollectionSharder(fused_params=params)
     ours: list[Any] = [
         ebc,

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -113,7 +114,8 @@ def _check_kjt(kjt: Any, specs: Mapping[str, FeatureSpec]) -> None:
             f"the lengths of sparse features {keys} sum to {total} but there are "
             f"{values.numel()} ids: lengths and values do not match."
         )
-    weighted = [k for k in keys if specs[k].weighted]
+    # A feature no table reads (no spec) is ignored, as TorchRec ignores it.
+    weighted = [k for k in keys if (spec := specs.get(k)) is not None and spec.weighted]
     weights = kjt.weights_or_none()
     if weighted and weights is None:
         tables = sorted({specs[k].table for k in weighted})
@@ -129,9 +131,9 @@ def _check_kjt(kjt: Any, specs: Mapping[str, FeatureSpec]) -> None:
     if weighted and weights is not None and not math.isfinite(float(weights.sum())):
         # Only the weights a weighted table reads count (an unweighted table's, or those of a
         # feature whose weights a feature processor makes, are not read).
-        read = torch.tensor([specs[k].weighted for k in keys], device=weights.device)
-        read = read.repeat_interleave(torch.tensor(kjt.length_per_key(), device=weights.device))
-        bad = torch.nonzero(read & ~torch.isfinite(weights))
+        taken = torch.tensor([k in weighted for k in keys], device=weights.device)
+        taken = taken.repeat_interleave(torch.tensor(kjt.length_per_key(), device=weights.device))
+        bad = torch.nonzero(taken & ~torch.isfinite(weights))
         if bad.numel():
             pos = int(bad[0])
             raise BatchValidationError(
@@ -142,11 +144,13 @@ def _check_kjt(kjt: Any, specs: Mapping[str, FeatureSpec]) -> None:
     counts = kjt.length_per_key()
     # Fast path: one pass over each run of keys whose tables have the same row count (one run
     # when all do; views, no copy), one sync for the verdict.
-    if all_in_range(values, row_runs(counts, [specs[k].num_embeddings for k in keys])):
+    limits = [spec.num_embeddings if (spec := specs.get(k)) else None for k in keys]
+    if all_in_range(values, row_runs(counts, limits)):
         return
     per_key = torch.tensor(counts, dtype=torch.int64)
-    rows = torch.tensor([specs[k].num_embeddings for k in keys], dtype=torch.int64)
-    bad = (values < 0) | (values >= torch.repeat_interleave(rows, per_key).to(values.device))
+    rows = torch.tensor([-1 if n is None else n for n in limits], dtype=torch.int64)
+    rows = torch.repeat_interleave(rows, per_key).to(values.device)
+    bad = (rows >= 0) & ((values < 0) | (values >= rows))
     pos = int(torch.nonzero(bad)[0])
     raise BatchValidationError(
         out_of_range_message(kjt, specs, pos, int(values[pos]), int(bad.sum()))
@@ -268,8 +272,9 @@ def validate_batch(
         BatchValidationError: for an empty batch, float ids, lengths that do not sum to the
             number of ids, a sample holding more ids of a feature than the model reads
             (``FeatureSpec.max_ids``: declared, or its feature processor's position weights),
-            ids outside ``[0, num_embeddings)`` of their table, keys no table reads, features a
-            table reads that are missing, dense features of the wrong shape or non-finite,
+            ids outside ``[0, num_embeddings)`` of their table, features a table reads that
+            are missing (features no table reads are ignored, as TorchRec ignores them, and
+            named once by :func:`name_unread`), dense features of the wrong shape or non-finite,
             labels/weights of the wrong shape or non-finite.
     """
     kjts = kjts_of(batch)
@@ -288,10 +293,7 @@ def validate_batch(
     for kjt in kjts:
         unknown = [k for k in kjt.keys() if k not in specs]
         if unknown:
-            raise BatchValidationError(
-                f"sparse feature(s) {unknown} are read by no table (the tables read "
-                f"{sorted(specs)}); fix the feature names or the EmbeddingBagConfig.feature_names."
-            )
+            name_unread(unknown, specs)
         _check_kjt(kjt, specs)
         seen.update(kjt.keys())
     missing = sorted(set(specs) - seen)
@@ -303,6 +305,28 @@ def validate_batch(
     _check_dense(field_of(batch, "dense_features"), batch_size, num_dense_features)
     _check_per_sample("labels", labels, batch_size)
     _check_per_sample("weights", field_of(batch, "weights"), batch_size)
+
+
+def name_unread(unread: list[str], specs: Mapping[str, FeatureSpec]) -> None:
+    """Warns once about batch features no table reads; TorchRec ignores them, and so do checks.
+
+    Args:
+        unread: the features of a KJT that no table reads.
+        specs: the model's specs; a :class:`~lightning_torchrec.sharding.features.FeatureSpecs`
+            remembers the features already named, so each is named once per sharded model.
+    """
+    named = getattr(specs, "unread_named", None)
+    if named is not None:
+        if named.issuperset(unread):
+            return
+        named.update(unread)
+    warnings.warn(
+        f"sparse feature(s) {unread} of the batch are read by no table (the tables read "
+        f"{sorted(specs)}); TorchRec ignores them, and so does the batch check. If a table "
+        "should read them, fix the feature names or its feature_names.",
+        UserWarning,
+        stacklevel=2,
+    )
 
 
 def check_batch(

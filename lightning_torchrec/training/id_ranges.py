@@ -17,20 +17,23 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from lightning_torchrec.sharding.features import FeatureSpec, FeatureSpecs, specs_for
 
 
-def row_runs(per_key: list[int], rows: list[int]) -> list[tuple[int, int, int]]:
+def row_runs(per_key: list[int], rows: list[int | None]) -> list[tuple[int, int, int]]:
     """``(start, end, rows)`` of each run of consecutive ids whose tables have ``rows`` rows.
 
     Args:
         per_key: how many ids each feature has, in the batch's order.
-        rows: the row count of each feature's table.
+        rows: the row count of each feature's table; None for a feature no table reads.
 
     Returns:
-        The runs, features without ids left out (one run when every table has one size).
+        The runs, features without ids or without a table left out (one run when every table
+        has one size).
     """
     runs: list[tuple[int, int, int]] = []
     start = 0
     for count, limit in zip(per_key, rows, strict=True):
-        if count and runs and runs[-1][1] == start and runs[-1][2] == limit:
+        if limit is None:
+            pass
+        elif count and runs and runs[-1][1] == start and runs[-1][2] == limit:
             runs[-1] = (runs[-1][0], start + count, limit)
         elif count:
             runs.append((start, start + count, limit))

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from lightning_torchrec.sharding.features import FeatureSpec
+from lightning_torchrec.sharding.features import FeatureSpec, FeatureSpecs
 from lightning_torchrec.training.batch_checks import batch_problem
 
 #: The instance attribute of a batch holding ``(token, message or None)``.
@@ -47,7 +47,8 @@ class CheckingCollate:
         token: str,
     ) -> None:
         self.collate = collate
-        self.specs = dict(specs)
+        # A FeatureSpecs (pickled whole into the workers) names unread features once per worker.
+        self.specs = specs if isinstance(specs, FeatureSpecs) else FeatureSpecs(specs)
         self.dense_width = dense_width
         self.token = token
 
