@@ -8,6 +8,8 @@ which is all a data module's contract with the Trainer needs. The resumes run un
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -21,11 +23,13 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_torchrec import TorchRecStrategy
+from lightning_torchrec.checkpoint import META_FILE
+from lightning_torchrec.checkpoint.manifest import MANIFEST_FILE, file_checksum
 from lightning_torchrec.data import CriteoDataModule, ParquetClickData, ResumableDataLoader
 from lightning_torchrec.data.criteo import CriteoIterableDataset, parse_tsv, preprocess
 from lightning_torchrec.data.criteo import main as criteo_main
 from lightning_torchrec.data.parquet import ParquetClickDataset
-from lightning_torchrec.lightning.mid_epoch import loader_layout, resume_in_epoch
+from lightning_torchrec.lightning.mid_epoch import POSITION_KEY, loader_layout, resume_in_epoch
 
 ROWS = 400
 
@@ -301,3 +305,33 @@ def test_a_resume_after_files_were_added_warns(tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match="2 batches into epoch 0 of 20 batches, but the training"):
         assert resume_in_epoch(grown, position, trainer_at(0, 2, 1), warn=True)
     assert grown.skip_next == 2
+
+
+@pytest.mark.parametrize("with_position", [False, True])
+def test_a_checkpoint_of_an_older_version_resumes_from_its_loader_state(
+    tmp_path: Path, with_position: bool
+) -> None:
+    """Older versions' training loader saved its count in Lightning's loader states, before the
+    strategy saved a position (``with_position=False``) and beside it (True). Today's loader has
+    no ``load_state_dict`` (Lightning would refuse the state): the state becomes the position,
+    and the resumed run trains the same batches as the uninterrupted one."""
+    file = write_parquet(tmp_path)
+    full = Linear()
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=6, save_top_k=-1)
+    resumed_trainer(tmp_path, [saver], max_steps=10).fit(full, datamodule=parquet_data(file))
+    ckpt = tmp_path / "older.ckpt"
+    shutil.copytree(tmp_path / "ckpts/epoch=0-step=6.ckpt", ckpt)
+    meta = torch.load(ckpt / META_FILE, weights_only=True)
+    position = meta[POSITION_KEY] if with_position else meta.pop(POSITION_KEY)
+    layout = {"world_size": 1} | position["layout"]
+    state = {"start_batch": 6, "epoch_batches": 20, "layout": layout}
+    meta["loops"]["fit_loop"]["state_dict"]["combined_loader"] = [state]
+    torch.save(meta, ckpt / META_FILE)
+    manifest = json.loads((ckpt / MANIFEST_FILE).read_text())
+    manifest["files"][META_FILE] = file_checksum(ckpt / META_FILE)
+    (ckpt / MANIFEST_FILE).write_text(json.dumps(manifest))
+    resumed = Linear()
+    resumed_trainer(tmp_path, max_steps=10).fit(
+        resumed, datamodule=parquet_data(file), ckpt_path=ckpt
+    )
+    assert resumed.seen == full.seen[6:]
