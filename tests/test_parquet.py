@@ -143,6 +143,11 @@ def test_resume_with_hashing(tmp_path: Path) -> None:
             assert torch.equal(b.dense_features, want)
             assert int(b.sparse_features["a"].values().max()) < 7
             assert int(b.sparse_features["b"].values().max()) < 5
+        assert len(list(loader)) == len(full)  # only the resumed iteration is shortened
+        loader.resume_at(len(full))  # at the epoch's end: the next one is whole
+        assert len(list(loader)) == len(full)
+        with pytest.raises(ValueError, match="batches >= 0, got -1"):
+            loader.resume_at(-1)
 
 
 def test_files_of_different_types_mix_in_a_batch(tmp_path: Path) -> None:

@@ -397,7 +397,11 @@ def resume_in_epoch(loader: Any, position: dict[str, Any], trainer: Any, warn: b
         restart_epoch_at(trainer, count)  # the loop counts what the loader skips
         if warn:
             warnings.warn(_rescaled_warning(here, loader), UserWarning, stacklevel=2)
-    elif warn and position.get("epoch_batches", length := _epoch_batches(loader)) != length:
+    elif (
+        warn
+        and (length := _epoch_batches(loader)) is not None
+        and position.get("epoch_batches", length) != length
+    ):
         warnings.warn(
             f"The checkpoint was written {count} batches into epoch {position['epoch']} of "
             f"{position['epoch_batches']} batches, but the training loader "
