@@ -1,13 +1,17 @@
 """The file-backed data modules off the tested path: fits without validation files, resumes
 after a limited epoch or under another layout, bad sizes, and malformed Criteo lines.
 
-One process each; a plain Lightning Trainer (no TorchRec strategy) trains a linear model on the
-batches' dense features, which is all a data module's contract with the Trainer needs.
+One process each; a Lightning Trainer trains a linear model on the batches' dense features,
+which is all a data module's contract with the Trainer needs. The resumes run under
+``TorchRecStrategy``, whose saved position is what a resumed epoch skips (``resumed_trainer``).
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import lightning as L
@@ -18,10 +22,14 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+from lightning_torchrec import TorchRecStrategy
+from lightning_torchrec.checkpoint import META_FILE
+from lightning_torchrec.checkpoint.manifest import MANIFEST_FILE, file_checksum
 from lightning_torchrec.data import CriteoDataModule, ParquetClickData, ResumableDataLoader
 from lightning_torchrec.data.criteo import CriteoIterableDataset, parse_tsv, preprocess
 from lightning_torchrec.data.criteo import main as criteo_main
 from lightning_torchrec.data.parquet import ParquetClickDataset
+from lightning_torchrec.lightning.mid_epoch import POSITION_KEY, loader_layout, resume_in_epoch
 
 ROWS = 400
 
@@ -68,6 +76,20 @@ def trainer(root: Path, callbacks: list[Callback] = (), **kwargs: Any) -> L.Trai
     )
 
 
+def resumed_trainer(root: Path, callbacks: list[Callback] = (), **kwargs: Any) -> L.Trainer:  # type: ignore[assignment]
+    """:func:`trainer` under ``TorchRecStrategy`` (no tables: the batches are not checked)."""
+    return trainer(root, callbacks, strategy=TorchRecStrategy(validate_batches=False), **kwargs)
+
+
+def trainer_at(epoch: int, batches: int, world_size: int) -> Any:
+    """A trainer of ``world_size`` ranks restored ``batches`` batches into ``epoch``."""
+    counts = dict(ready=batches, started=batches, processed=batches, completed=batches - 1)
+    epoch_loop = SimpleNamespace(batch_progress=SimpleNamespace(current=SimpleNamespace(**counts)))
+    progress = SimpleNamespace(current=SimpleNamespace(processed=epoch))
+    loops = SimpleNamespace(epoch_progress=progress, epoch_loop=epoch_loop)
+    return SimpleNamespace(fit_loop=loops, world_size=world_size)
+
+
 def parquet_data(file: Path, **kwargs: Any) -> ParquetClickData:
     return ParquetClickData(str(file), ["d0"], ["a"], "label", batch_size=20, **kwargs)
 
@@ -95,12 +117,12 @@ def test_an_epoch_end_checkpoint_of_a_limited_epoch_resumes_the_next_epoch_whole
     file = write_parquet(tmp_path)
     full = Linear()
     every_epoch = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_epochs=1, save_top_k=-1)
-    trainer(tmp_path, [every_epoch], max_steps=15, limit_train_batches=5).fit(
+    resumed_trainer(tmp_path, [every_epoch], max_steps=15, limit_train_batches=5).fit(
         full, datamodule=parquet_data(file)
     )
     assert [x for _, x in full.seen] == [0, 20, 40, 60, 80] * 3
     resumed = Linear()
-    trainer(tmp_path, max_steps=15, limit_train_batches=5).fit(
+    resumed_trainer(tmp_path, max_steps=15, limit_train_batches=5).fit(
         resumed, datamodule=parquet_data(file), ckpt_path=tmp_path / "ckpts/epoch=0-step=5.ckpt"
     )
     assert resumed.seen == full.seen[5:]
@@ -111,8 +133,8 @@ def test_a_mid_epoch_position_under_another_layout_skips_as_many_rows_with_a_war
 ) -> None:
     """The batch order depends on the ranks, readers per rank and batch size: a position saved
     under one layout skips as many rows under another, with a warning naming the change (it
-    skipped the same count of batches without a word); an epoch-end position, or a state
-    without a layout (older checkpoints), loads as it is."""
+    skipped the same count of batches without a word); an epoch-end position, or a position
+    without a layout (older checkpoints), is used as it is."""
     write_parquet(tmp_path)
 
     def loader(rank: int = 0, world: int = 1, workers: int = 0, batch: int = 20) -> Any:
@@ -129,32 +151,27 @@ def test_a_mid_epoch_position_under_another_layout_skips_as_many_rows_with_a_war
         return ResumableDataLoader(ds, num_workers=workers)
 
     saved = loader(world=2)
-    it = iter(saved)
-    for _ in range(3):
-        next(it)
-    state = saved.state_dict()
-    assert state == {
-        "start_batch": 3,
-        "epoch_batches": 10,
-        "layout": {"world_size": 2, "readers_per_rank": 1, "batch_size": 20},
-    }
-    for other, change, skip in (
-        (loader(world=1), "world_size 2 -> 1", 6),  # 3 batches of 20 rows on 2 ranks
-        (loader(world=2, workers=2), "readers_per_rank 1 -> 2", 3),
-        (loader(world=2, batch=10), "batch_size 20 -> 10", 6),
+    layout = loader_layout(saved)
+    assert layout == {"readers_per_rank": 1, "batch_size": 20} and len(saved) == 10
+    # what the strategy saves 3 batches into epoch 0 on 2 ranks
+    position = {"epoch": 0, "batches": 3, "world_size": 2, "layout": layout, "epoch_batches": 10}
+    for other, world, change, skip in (
+        (loader(world=1), 1, "world_size 2 -> 1", 6),  # 3 batches of 20 rows on 2 ranks
+        (loader(world=2, workers=2), 2, "readers_per_rank 1 -> 2", 3),
+        (loader(world=2, batch=10), 2, "batch_size 20 -> 10", 6),
     ):
-        with pytest.warns(UserWarning, match=f"ParquetClickDataset resumes mid-epoch.*{change}"):
-            other.load_state_dict(state)
+        with pytest.warns(UserWarning, match=rf"under another layout .*\({change}\)"):
+            assert resume_in_epoch(other, position, trainer_at(0, 3, world), warn=True)
         assert other.skip_next == skip
     firsts = [int(b.dense_features[0, 0]) for b in loader(rank=1, world=2)]
     same = loader(rank=1, world=2, workers=1)  # 0 and 1 workers read in the same order
-    same.load_state_dict(state)
+    assert resume_in_epoch(same, position, trainer_at(0, 3, 2), warn=True)
     assert [int(b.dense_features[0, 0]) for b in same] == firsts[3:]
     at_end = loader()  # the saved epoch was over: any layout starts the next one whole
-    at_end.load_state_dict(state | {"start_batch": len(saved)})
+    assert not resume_in_epoch(at_end, position | {"batches": 0}, trainer_at(0, 0, 1), warn=True)
     assert len(list(at_end)) == len(at_end) == 20
-    legacy = loader()
-    legacy.load_state_dict({"start_batch": 3})
+    legacy = loader()  # an older position, without a layout: the count as it is
+    assert resume_in_epoch(legacy, {"epoch": 0, "batches": 3}, trainer_at(0, 3, 1), warn=True)
     assert int(next(iter(legacy)).dense_features[0, 0]) == 60
 
 
@@ -245,10 +262,10 @@ def test_a_resume_under_another_batch_size_trains_the_rest_of_the_epoch(tmp_path
     file = write_parquet(tmp_path)
     saver = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=6, save_top_k=-1)
     small = ParquetClickData(str(file), ["d0"], ["a"], "label", batch_size=10)
-    trainer(tmp_path, [saver], max_steps=6).fit(Linear(), datamodule=small)
+    resumed_trainer(tmp_path, [saver], max_steps=6).fit(Linear(), datamodule=small)
     resumed = Linear()
     with pytest.warns(UserWarning, match="batch_size 10 -> 20"):
-        trainer(tmp_path, max_epochs=1).fit(
+        resumed_trainer(tmp_path, max_epochs=1).fit(
             resumed, datamodule=parquet_data(file), ckpt_path=tmp_path / "ckpts/epoch=0-step=6.ckpt"
         )
     assert [x for _, x in resumed.seen] == list(range(60, ROWS, 20))
@@ -281,11 +298,40 @@ def test_a_resume_after_files_were_added_warns(tmp_path: Path) -> None:
     (tmp_path / "data").mkdir()
     write_parquet(tmp_path / "data")
     saved = parquet_data(tmp_path / "data").train_dataloader()
-    it = iter(saved)
-    next(it), next(it)
-    state = saved.state_dict()
+    position = {"epoch": 0, "batches": 2, "world_size": 1, "epoch_batches": len(saved)}
+    position["layout"] = loader_layout(saved)
     pq.write_table(pq.read_table(tmp_path / "data/p.parquet"), tmp_path / "data/a.parquet")
     grown = parquet_data(tmp_path / "data").train_dataloader()
-    with pytest.warns(UserWarning, match="after 2 batches of an epoch of 20, but its files now"):
-        grown.load_state_dict(state)
+    with pytest.warns(UserWarning, match="2 batches into epoch 0 of 20 batches, but the training"):
+        assert resume_in_epoch(grown, position, trainer_at(0, 2, 1), warn=True)
     assert grown.skip_next == 2
+
+
+@pytest.mark.parametrize("with_position", [False, True])
+def test_a_checkpoint_of_an_older_version_resumes_from_its_loader_state(
+    tmp_path: Path, with_position: bool
+) -> None:
+    """Older versions' training loader saved its count in Lightning's loader states, before the
+    strategy saved a position (``with_position=False``) and beside it (True). Today's loader has
+    no ``load_state_dict`` (Lightning would refuse the state): the state becomes the position,
+    and the resumed run trains the same batches as the uninterrupted one."""
+    file = write_parquet(tmp_path)
+    full = Linear()
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=6, save_top_k=-1)
+    resumed_trainer(tmp_path, [saver], max_steps=10).fit(full, datamodule=parquet_data(file))
+    ckpt = tmp_path / "older.ckpt"
+    shutil.copytree(tmp_path / "ckpts/epoch=0-step=6.ckpt", ckpt)
+    meta = torch.load(ckpt / META_FILE, weights_only=True)
+    position = meta[POSITION_KEY] if with_position else meta.pop(POSITION_KEY)
+    layout = {"world_size": 1} | position["layout"]
+    state = {"start_batch": 6, "epoch_batches": 20, "layout": layout}
+    meta["loops"]["fit_loop"]["state_dict"]["combined_loader"] = [state]
+    torch.save(meta, ckpt / META_FILE)
+    manifest = json.loads((ckpt / MANIFEST_FILE).read_text())
+    manifest["files"][META_FILE] = file_checksum(ckpt / META_FILE)
+    (ckpt / MANIFEST_FILE).write_text(json.dumps(manifest))
+    resumed = Linear()
+    resumed_trainer(tmp_path, max_steps=10).fit(
+        resumed, datamodule=parquet_data(file), ckpt_path=ckpt
+    )
+    assert resumed.seen == full.seen[6:]

@@ -123,13 +123,14 @@ class Stream(IterableDataset):
         return iter(range(4))
 
 
-def trainer_at(epoch: int, batches: int = 0) -> Any:
-    """A trainer whose fit loop was restored in ``epoch``, ``batches`` of it processed (saved
-    at a batch's end: the last one not completed)."""
+def trainer_at(epoch: int, batches: int = 0, world_size: int = 1) -> Any:
+    """A trainer of ``world_size`` ranks whose fit loop was restored in ``epoch``, ``batches`` of
+    it processed (saved at a batch's end: the last one not completed)."""
     progress = SimpleNamespace(current=SimpleNamespace(processed=epoch))
     counts = dict(ready=batches, started=batches, processed=batches, completed=batches - 1)
     epoch_loop = SimpleNamespace(batch_progress=SimpleNamespace(current=SimpleNamespace(**counts)))
-    return SimpleNamespace(fit_loop=SimpleNamespace(epoch_progress=progress, epoch_loop=epoch_loop))
+    loops = SimpleNamespace(epoch_progress=progress, epoch_loop=epoch_loop)
+    return SimpleNamespace(fit_loop=loops, world_size=world_size)
 
 
 def test_the_resume_skips_only_in_the_saved_epoch() -> None:
@@ -276,13 +277,14 @@ def test_a_position_from_another_world_size_counts_the_same_global_batches() -> 
     position = rescale(saved, 3)
     assert position is not None and position["batches"] == 2
     loader = DataLoader(Counting(24), batch_size=2)
-    restored = trainer_at(1, batches=3)
+    restored = trainer_at(1, batches=3, world_size=3)
     with pytest.warns(
         UserWarning,
-        match=r"3 batches into epoch 1 on 2 ranks; this run has 3\. It resumes after 2 batches "
-        r"per rank \(6 of the 6 the 2 ranks trained; 0 trained again\)",
+        match=r"3 batches into epoch 1 under another layout than this run's \(world_size 2 -> 3"
+        r"\)\. The training loader DataLoader resumes after 2 batches per rank \(6 of the 6 "
+        r"batches trained; 0 trained again\)",
     ):
-        assert resume_in_epoch(loader, position, restored, warn=True)
+        assert resume_in_epoch(loader, saved, restored, warn=True)  # rescaled there
     assert next(iter(loader)).tolist() == [4, 5]
     # the fit loop counts the 2 batches skipped, not the checkpoint's 3: it would otherwise end
     # the epoch one batch before the loader's end (on more ranks than the checkpoint's)
@@ -290,10 +292,90 @@ def test_a_position_from_another_world_size_counts_the_same_global_batches() -> 
     assert (current.ready, current.started, current.processed, current.completed) == (2, 2, 2, 1)
     # a loader that restores its own position is left to it, without a warning
     assert not resume_in_epoch(
-        SimpleNamespace(state_dict=dict, load_state_dict=print), position, trainer_at(1), warn=True
+        SimpleNamespace(state_dict=dict, load_state_dict=print), saved, trainer_at(1), warn=True
     )
     assert saved_position({POSITION_KEY: saved}) == saved
     assert saved_position({POSITION_KEY: saved | {"world_size": "2"}}) == {"epoch": 1, "batches": 3}
+
+
+def test_one_rescale_rule_for_world_and_batch_size() -> None:
+    """``k`` batches of ``B`` on ``W`` ranks are ``k * W * B`` samples of the epoch: as many
+    batches of ``B'`` on ``W'`` ranks; a change the two sides do not both know is not one."""
+    from lightning_torchrec.lightning.mid_epoch import rescale
+
+    saved = {"epoch": 0, "batches": 6, "world_size": 2, "layout": {"batch_size": 10}}
+    assert rescale(saved, 2, {"batch_size": 10}) is saved
+    assert rescale(saved, 2, {}) is saved  # this loader tells no batch size: not a change
+    assert rescale(saved, 1, {"batch_size": 20})["batches"] == 6  # 120 samples
+    assert rescale(saved, 2, {"batch_size": 20})["batches"] == 3
+    assert rescale(saved, 3, {"batch_size": 7})["batches"] == 5  # 120 // 21, 15 again
+    readers = rescale(
+        saved | {"layout": {"batch_size": 10, "readers_per_rank": 1}},
+        2,
+        {"batch_size": 10, "readers_per_rank": 2},
+    )
+    assert readers["batches"] == 6 and readers["changed"] == {"readers_per_rank": (1, 2)}
+
+
+class Resumable(DataLoader):
+    """A loader of one's own with the resume hook: it records the counts it is handed."""
+
+    def __init__(self) -> None:
+        super().__init__(Stream(), batch_size=None)
+        self.handed: list[int] = []
+
+    def resume_at(self, batches: int) -> None:
+        self.handed.append(batches)
+
+    def resume_layout(self) -> dict[str, int]:
+        return {"batch_size": 5}
+
+
+def test_a_loader_with_the_resume_hook_is_handed_the_rescaled_count() -> None:
+    loader = Resumable()
+    saved = {"epoch": 0, "batches": 4, "world_size": 1, "layout": {"batch_size": 5}}
+    assert resume_in_epoch(loader, saved, trainer_at(0, 4), warn=True)
+    assert loader.handed == [4]
+    with pytest.warns(UserWarning, match=r"\(world_size 1 -> 2\).*Resumable resumes after 2"):
+        assert resume_in_epoch(loader, saved, trainer_at(0, 4, world_size=2), warn=True)
+    assert loader.handed == [4, 2]
+    assert not resume_in_epoch(loader, saved, trainer_at(1, 4), warn=True)  # epoch ended
+    assert loader.handed == [4, 2]
+
+
+def test_a_checkpoint_of_an_older_resumable_loader_resumes_from_its_loader_state() -> None:
+    """Older versions' ResumableDataLoader saved its count in Lightning's loader states; the
+    state is taken out of the checkpoint (the loader no longer has load_state_dict: Lightning
+    would refuse it) and becomes the position, with or without a saved position."""
+    from lightning_torchrec.lightning.mid_epoch import take_position
+
+    def checkpoint(position: dict | None, states: list) -> dict:
+        epoch = {"ready": 2, "started": 2, "processed": 1, "completed": 1}
+        fit = {
+            "epoch_progress": {"total": epoch, "current": epoch},
+            "state_dict": {"combined_loader": states},
+        }
+        return {"loops": {"fit_loop": fit}} | ({POSITION_KEY: position} if position else {})
+
+    layout = {"world_size": 2, "readers_per_rank": 1, "batch_size": 20}
+    legacy = {"start_batch": 3, "epoch_batches": 10, "layout": layout}
+    theirs = {"torchdata": 1}  # another loader's state stays, for its loader
+    old = checkpoint(None, [legacy, theirs])
+    want = {
+        "epoch": 1,
+        "batches": 3,
+        "world_size": 2,
+        "layout": {"readers_per_rank": 1, "batch_size": 20},
+        "epoch_batches": 10,
+    }
+    assert take_position(old) == want
+    assert old["loops"]["fit_loop"]["state_dict"] == {"combined_loader": [theirs]}
+    both = checkpoint({"epoch": 1, "batches": 3, "world_size": 2}, [legacy])
+    assert take_position(both) == want
+    assert both["loops"]["fit_loop"]["state_dict"] == {}
+    at_end = checkpoint(None, [legacy | {"start_batch": 10}])  # the saved epoch was over
+    assert take_position(at_end)["batches"] == 0
+    assert take_position(checkpoint(None, [theirs])) is None
 
 
 class _Steps(Callback):

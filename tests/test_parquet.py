@@ -136,13 +136,18 @@ def test_resume_with_hashing(tmp_path: Path) -> None:
 
         full = [b.dense_features for b in ResumableDataLoader(make(), num_workers=workers)]
         loader = ResumableDataLoader(make(), num_workers=workers)
-        loader.load_state_dict({"start_batch": 9})
+        loader.resume_at(9)
         rest = [b for b in loader]
         assert len(rest) == len(full) - 9
         for b, want in zip(rest, full[9:], strict=True):
             assert torch.equal(b.dense_features, want)
             assert int(b.sparse_features["a"].values().max()) < 7
             assert int(b.sparse_features["b"].values().max()) < 5
+        assert len(list(loader)) == len(full)  # only the resumed iteration is shortened
+        loader.resume_at(len(full))  # at the epoch's end: the next one is whole
+        assert len(list(loader)) == len(full)
+        with pytest.raises(ValueError, match="batches >= 0, got -1"):
+            loader.resume_at(-1)
 
 
 def test_files_of_different_types_mix_in_a_batch(tmp_path: Path) -> None:
@@ -181,7 +186,7 @@ def test_files_of_different_types_mix_in_a_batch(tmp_path: Path) -> None:
     assert b.values().tolist() == [8, 9] + [x for x in range(10, 16) for _ in range(2)]
     assert spanning.sparse_features.values().dtype == torch.int64
     loader = data.train_dataloader()
-    loader.load_state_dict({"start_batch": 1})  # resumed mid-epoch: the spanning batch next
+    loader.resume_at(1)  # resumed mid-epoch: the spanning batch next
     (resumed,) = list(loader)
     assert torch.equal(resumed.dense_features, spanning.dense_features)
     assert torch.equal(resumed.sparse_features.values(), spanning.sparse_features.values())

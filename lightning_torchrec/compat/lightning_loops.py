@@ -2,14 +2,20 @@
 
 Lightning (2.x) saves its fit loop's progress counters (``loops.fit_loop``: the epoch's, the
 batches') and decides on resume where to continue from them. Two states it resumes wrongly are
-rewritten here into states it resumes right; both read and write its private layout.
+rewritten here into states it resumes right; both read and write its private layout. They are
+part of the package's one mid-epoch resume (:mod:`lightning_torchrec.lightning.mid_epoch`): the
+position it saves is counted in Lightning's batch counters, which must then resume in the epoch
+the position belongs to. The same layout holds the loader states Lightning saved for loaders with
+``state_dict()`` (:func:`pop_loader_states`: how checkpoints of older versions, whose own loaders
+had one, are read).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["reopen_cut_epoch", "start_next_epoch"]
+__all__ = ["pop_loader_states", "reopen_cut_epoch", "saved_epoch", "start_next_epoch"]
 
 _PARTS = ("total", "current")
 _COUNTS = ("ready", "started", "processed", "completed")
@@ -101,3 +107,52 @@ def start_next_epoch(checkpoint: dict[str, Any]) -> int | None:
     batches["is_last_batch"] = False
     checkpoint["epoch"] = epoch["current"]["processed"]
     return epoch["current"]["processed"]
+
+
+def pop_loader_states(
+    checkpoint: dict[str, Any], taken: Callable[[Any], bool]
+) -> list[dict[str, Any]]:
+    """Removes the training loaders' saved states that ``taken`` accepts, in place.
+
+    Lightning (2.x) saves the state of every training loader with ``state_dict()`` and
+    ``load_state_dict()`` in ``loops.fit_loop.state_dict.combined_loader`` and, on resume, hands
+    them in order to the loaders that have the protocol (an error when the counts differ). A
+    state removed here is never handed to a loader; the others stay, in their order.
+
+    Args:
+        checkpoint: Lightning's checkpoint dict, rewritten in place.
+        taken: whether a state is one to remove.
+
+    Returns:
+        The removed states, in their order (none for another layout).
+    """
+    try:
+        state = checkpoint["loops"]["fit_loop"]["state_dict"]
+        states = state["combined_loader"]
+    except (KeyError, TypeError):
+        return []
+    if not isinstance(states, list):
+        return []
+    removed = [s for s in states if taken(s)]
+    if removed:
+        kept = [s for s in states if not taken(s)]
+        if kept:
+            state["combined_loader"] = kept
+        else:
+            del state["combined_loader"]
+    return removed
+
+
+def saved_epoch(checkpoint: dict[str, Any]) -> int | None:
+    """The epochs the checkpoint's fit loop had processed (the one it was in, within an epoch).
+
+    Args:
+        checkpoint: Lightning's checkpoint dict.
+
+    Returns:
+        ``loops.fit_loop.epoch_progress.current.processed``, or None for another layout.
+    """
+    try:
+        return int(checkpoint["loops"]["fit_loop"]["epoch_progress"]["current"]["processed"])
+    except (KeyError, TypeError, ValueError):
+        return None

@@ -35,7 +35,6 @@ from lightning_torchrec.data.resumable import (
     ResumableDataLoader,
     ResumableDataModule,
     ResumableIterableDataset,
-    resume_position,
     worker_slot,
 )
 from lightning_torchrec.data.sequence_batch import SequenceBatch, sequence_batch
@@ -325,10 +324,9 @@ class MovieLensSequenceData(ResumableDataModule):
         )
 
     def train_dataloader(self) -> ResumableDataLoader:
-        """Training batches; the position within the epoch is saved in checkpoints."""
+        """Training batches; a mid-epoch checkpoint resumes at its position."""
         return _EpochLoader(
             self.dataset("train"),  # type: ignore[arg-type]
             epoch=lambda: None if self.trainer is None else self.trainer.current_epoch,
-            position=lambda: resume_position(self.trainer),
             num_workers=self.num_workers,
         )

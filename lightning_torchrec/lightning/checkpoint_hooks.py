@@ -41,8 +41,7 @@ from lightning_torchrec.lightning.mid_epoch import (
     POSITION_KEY,
     epoch_position,
     reopen,
-    rescale,
-    saved_position,
+    take_position,
 )
 from lightning_torchrec.sharding.sharders import has_fused_tables
 from lightning_torchrec.training.optim import keyed_optimizer
@@ -253,7 +252,7 @@ def load_trainer_checkpoint(
     Returns:
         The checkpoint's metadata (Lightning's entries, its ``ModelCheckpoint`` paths confined
         to their ``dirpath``), and where in its epoch a fit resumes (None: at an epoch's start,
-        or not fitting), rescaled to this world size.
+        or not fitting), in the checkpoint's layout (rescaled with the training loader's).
     """
     path = local_path(strategy.run.collective(strategy.broadcast, str(checkpoint_path)))
     module = strategy.lightning_module
@@ -275,7 +274,7 @@ def load_trainer_checkpoint(
         strict=module.strict_loading,
     )
     # The training loader skips the batches trained on (see `TorchRecStrategy.process_dataloader`).
-    position = reopen(meta, saved_position(meta)) if fitting else None
+    position = reopen(meta, take_position(meta)) if fitting else None
     if fitting:
         match_scheduler_states(meta, trainer)
     dropped = confine_restored_callbacks(meta, trainer)
@@ -286,4 +285,4 @@ def load_trainer_checkpoint(
             UserWarning,
             stacklevel=3,
         )
-    return meta, rescale(position, strategy.world_size)
+    return meta, position

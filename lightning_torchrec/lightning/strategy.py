@@ -91,7 +91,8 @@ class TorchRecStrategy(DDPStrategy):
     :func:`lightning_torchrec.sharding.planning.shard_model` (as ``maybe_shard_model`` does), and
     combines the fused embedding optimizer with the dense one from ``configure_optimizers``.
     Checkpoints are sharded ``torch.distributed.checkpoint`` directories; a fit resumed from a
-    mid-epoch checkpoint continues any map-style DataLoader at the first batch not trained on
+    mid-epoch checkpoint continues the training loader (a map-style DataLoader, or one with the
+    ``resume_at`` hook: the package's) at the first batch not trained on
     (``lightning_torchrec.lightning.mid_epoch``). Under ``SLURMEnvironment(auto_requeue=True)``
     a :class:`~lightning_torchrec.lightning.preemption.SLURMRequeue` saves between steps.
 
