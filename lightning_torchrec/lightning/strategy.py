@@ -254,7 +254,7 @@ class TorchRecStrategy(DDPStrategy):
         self._forward_redirection = DMPForwardRedirection()
         self._flushed: Any = None  # the dense DDP whose first static-graph backward was reduced
         self._accumulating = 1  # the Trainer's accumulate_grad_batches at the last step
-        self._resume_position: dict[str, int] | None = None  # until the training loader exists
+        self._resume_position: dict[str, Any] | None = None  # until the training loader exists
         self._undo: list[Any] = []  # what gives Lightning's objects back at teardown
         self._undo_toggles: Any = None
 
