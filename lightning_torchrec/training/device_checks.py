@@ -39,8 +39,12 @@ from lightning_torchrec.compat.upstream import fused_kernels
 from lightning_torchrec.errors import BatchValidationError
 from lightning_torchrec.sharding.features import FeatureSpec, specs_for
 from lightning_torchrec.sharding.sharders import FUSED_KERNELS
-from lightning_torchrec.training.batch_checks import check_batch, field_of, kjts_of
-from lightning_torchrec.training.id_ranges import out_of_range_message
+from lightning_torchrec.training.batch_checks import (
+    check_batch,
+    field_of,
+    kjts_of,
+    out_of_range_message,
+)
 
 #: The flags one batch reduces to: ids out of range, lengths not matching the ids, negative
 #: lengths, non-finite dense features, labels or weights, samples over a feature's ``max_ids``
