@@ -10,6 +10,7 @@ stderr is), when a rank leaves a core file, or when a rank did not write its pre
 
 ``python -m benchmarks.exit_soak --launches 200`` (one launch at a time, about 8 s each on 2
 cores). Not part of ``make test``. ``--workers N`` gives the loaders N DataLoader workers;
+``--defaults`` keeps the Trainer's default logger, progress bar, checkpointing and summary;
 ``--keep-cores`` lets aborting ranks dump core (``ulimit -c unlimited``) into the launch folder.
 """
 
@@ -33,8 +34,12 @@ STEPS = 12
 KEPT: dict[str, object] = {}
 
 
-def worker(out: Path, workers: int) -> None:
-    """One launch's work, on every rank (Lightning re-runs this file for rank 1)."""
+def worker(out: Path, workers: int, defaults: bool) -> None:
+    """One launch's work, on every rank (Lightning re-runs this file for rank 1).
+
+    ``defaults``: the Trainer's own logger (TensorBoard), progress bar, checkpointing and model
+    summary, as a plain script has them; otherwise all four are off.
+    """
     import lightning as L
     import torch
 
@@ -56,6 +61,12 @@ def worker(out: Path, workers: int) -> None:
         dense_arch_layer_sizes=[8],
         over_arch_layer_sizes=[8, 1],
     )
+    quiet = {
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
@@ -63,11 +74,8 @@ def worker(out: Path, workers: int) -> None:
         max_steps=STEPS,
         limit_val_batches=0,
         num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=out,
+        **({} if defaults else quiet),  # type: ignore[arg-type]
     )
     trainer.fit(model, datamodule=data)
     trainer.save_checkpoint(out / "last.ckpt")
@@ -82,13 +90,13 @@ def allow_cores() -> None:
 
 
 def launch(
-    out: Path, workers: int, keep_cores: bool, timeout: float, env: dict[str, str]
+    out: Path, extra: list[str], keep_cores: bool, timeout: float, env: dict[str, str]
 ) -> dict[str, object]:
     """One launch; its outcome: ``rc``, ``signal``, ``terminate`` (lines), ``cores``, ``preds``."""
     start = time.perf_counter()
     command = [sys.executable, "-m", "benchmarks.exit_soak", "--worker", str(out)]
     with subprocess.Popen(
-        [*command, "--workers", str(workers)],
+        [*command, *extra],
         cwd=Path(__file__).resolve().parent.parent,
         env=env,
         stdout=subprocess.PIPE,
@@ -122,13 +130,14 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--workers", type=int, default=0, help="DataLoader workers per loader")
+    p.add_argument("--defaults", action="store_true", help="the Trainer's logger, bar, ...")
     p.add_argument("--launches", type=int, default=60)
     p.add_argument("--timeout", type=float, default=180)
     p.add_argument("--keep-cores", action="store_true", help="ulimit -c unlimited for the ranks")
     p.add_argument("--keep-bad", type=Path, help="copy each bad launch's output here")
     args = p.parse_args()
     if args.worker is not None:
-        worker(args.worker, args.workers)
+        worker(args.worker, args.workers, args.defaults)
         return
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PL_", "MASTER_"))}
     env["PYTHONUNBUFFERED"] = "1"
@@ -138,7 +147,8 @@ def main() -> None:
     for i in range(args.launches):
         out = root / f"launch_{i}"
         out.mkdir()
-        r = launch(out, args.workers, args.keep_cores, args.timeout, env)
+        extra = ["--workers", str(args.workers)] + (["--defaults"] if args.defaults else [])
+        r = launch(out, extra, args.keep_cores, args.timeout, env)
         bad = r["rc"] != 0 or r["terminate"] or r["observer"] or r["cores"] or r["preds"] != 2
         counts["launches"] += 1
         counts["bad"] += bool(bad)

@@ -19,10 +19,15 @@ RSS_SLACK_MIB = 40
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+def launch(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("lifetime")
     run_script("lifetime_ranks.py", str(out), timeout=600)
-    return load_ranks(Path(out), "lifetime")
+    return Path(out)
+
+
+@pytest.fixture(scope="module")
+def ranks(launch: Path) -> list[dict]:
+    return load_ranks(launch, "lifetime")
 
 
 def test_dropped_models_and_their_shards_are_freed(ranks: list[dict]) -> None:
@@ -44,3 +49,13 @@ def test_another_sharding_of_a_live_model_is_refused_by_name(ranks: list[dict]) 
         assert "fused_params: different ['optimizer']" in found["fused_params"]
         assert found["same"] == 4 and found["lr only"] == 4
         assert r["fused_lr"] == [0.05] * len(r["fused_lr"])
+
+
+def test_no_group_or_store_thread_is_left_to_the_interpreters_exit(launch: Path) -> None:
+    # Left to the finalising interpreter, a gloo or store thread can abort the process
+    # ("terminate called without an active exception"); the package's exit hook joins them.
+    exits = load_ranks(launch, "exit")
+    assert len(exits) == 2
+    for r in exits:
+        left = [t for t in r["threads"] if t.startswith(("pt_gloo", "gloo_", "pt_tcpstore"))]
+        assert left == [], (r["rank"], r["threads"])

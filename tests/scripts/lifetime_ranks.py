@@ -8,12 +8,16 @@ Phases, in one launch:
    sharding (constraints, plan, fused optimizer): each must raise ``ShardingConflictError``;
    one asking for nothing new (or a new fused learning rate) reuses the sharding.
 
-Each rank writes ``lifetime_rank{r}.pt`` into the directory given as argv[1].
+Each rank writes ``lifetime_rank{r}.pt`` into the directory given as argv[1], and, last of all
+at its exit (after the package's own exit hook), ``exit_rank{r}.pt``: the names of the threads
+still running then (no process group's or store's may be left to the finalising interpreter).
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
+import os
 import sys
 import weakref
 from pathlib import Path
@@ -26,6 +30,22 @@ from lightning_torchrec.sharding.reuse import recorded
 
 OUT = Path(sys.argv[1])
 ROUNDS = 5
+
+
+def threads_left() -> None:
+    """Registered first, so run last at exit: what the interpreter's finalisation would meet."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            continue
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.save({"rank": rank, "threads": sorted(names)}, OUT / f"exit_rank{rank}.pt")
+
+
+atexit.register(threads_left)
 
 
 def rss_mib() -> float:
