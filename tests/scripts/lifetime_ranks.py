@@ -6,7 +6,8 @@ Phases, in one launch:
    the trainer are dead, and the process's RSS after each round;
 2. one model fitted by a first strategy, then a second trainer whose strategy asks for another
    sharding (constraints, plan, fused optimizer): each must raise ``ShardingConflictError``;
-   one asking for nothing new (or a new fused learning rate) reuses the sharding.
+   one asking for nothing new (or a new fused learning rate) reuses the sharding; the last
+   trainer then predicts.
 
 Each rank writes ``lifetime_rank{r}.pt`` into the directory given as argv[1], and, last of all
 at its exit (after the package's own exit hook), ``exit_rank{r}.pt``: the names of the threads
@@ -103,7 +104,9 @@ def conflicts() -> dict:
         trainer.fit(model, datamodule=tiny_data(rows=2000))
         found[name] = trainer.global_step
     lr = [g["lr"] for g in trainer.strategy.dmp.fused_optimizer.param_groups]
-    return {"conflicts": found, "fused_lr": lr}
+    # A predict after the fit (its own strategy set-up and host group), as a script ends.
+    predictions = trainer.predict(model, datamodule=tiny_data(rows=2000))
+    return {"conflicts": found, "fused_lr": lr, "predicted": len(predictions or [])}
 
 
 if __name__ == "__main__":
