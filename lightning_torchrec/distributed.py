@@ -95,29 +95,17 @@ def init_elastic_group(
     return True
 
 
-#: How long :func:`shutdown` leaves the GIL to other threads once it collected the groups.
-GIL_HANDOVER_S = 0.01
-
-
 def shutdown() -> None:
-    """Takes this process's process groups down while the interpreter is still whole.
+    """Destroys every process group, and joins their threads before the interpreter finalises.
 
-    ``destroy_process_group`` only unregisters the groups: each ``ProcessGroupGloo`` (its
-    worker and ``tcp`` loop threads) and the ``TCPStore`` it rendezvoused in (on rank 0, the
-    store's server thread) live on while any Python object holds them, and Lightning's and
-    TorchRec's objects hold them in reference cycles. Left there, they are destroyed by the
-    interpreter's finalisation, in which a thread that takes the GIL (a gloo thread dropping the
-    last reference to a collective's tensors) does not return but exits inside C++ code that
-    cannot unwind: ``terminate called without an active exception``, SIGABRT, or a hang in
-    gloo's destructor. So after destroying every group (if one is up) this collects the
-    garbage, which destroys every group and store that nothing alive holds, joining their
-    threads, then hands the GIL over for :data:`GIL_HANDOVER_S`, so that a thread waiting for
-    it (gloo's, releasing a collective's tensors) has it before the interpreter finalises.
+    ``destroy_process_group`` only unregisters them: gloo's threads and the ``TCPStore``'s
+    server (rank 0) lived on in reference cycles, for the finalising interpreter, where a thread
+    taking the GIL inside C++ aborts ("terminate called without an active exception").
     """
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    gc.collect()
-    time.sleep(GIL_HANDOVER_S)
+    gc.collect()  # the groups and stores nothing holds: destroyed now, their threads joined
+    time.sleep(0.01)  # a thread waiting for the GIL (gloo's, freeing tensors) has it now
 
 
 def shutdown_at_exit() -> None:
