@@ -15,7 +15,9 @@ set that group up and take it down under ``torchrun``.
 from __future__ import annotations
 
 import atexit
+import gc
 import os
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -94,13 +96,16 @@ def init_elastic_group(
 
 
 def shutdown() -> None:
-    """Destroys every process group of this process (no-op without one).
+    """Destroys every process group, and joins their threads before the interpreter finalises.
 
-    A group left to the interpreter's exit is finalised with its threads still running
-    ("terminate called without an active exception", or a hang in gloo's destructor).
+    ``destroy_process_group`` only unregisters them: gloo's threads and the ``TCPStore``'s
+    server (rank 0) lived on in reference cycles, for the finalising interpreter, where a thread
+    taking the GIL inside C++ aborts ("terminate called without an active exception").
     """
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()  # the groups and stores nothing holds: destroyed now, their threads joined
+    time.sleep(0.01)  # a thread waiting for the GIL (gloo's, freeing tensors) has it now
 
 
 def shutdown_at_exit() -> None:

@@ -8,6 +8,7 @@ add what the other rank says.
 from __future__ import annotations
 
 import atexit
+import os
 import warnings
 from datetime import timedelta
 from typing import Any
@@ -310,6 +311,49 @@ def test_a_group_made_in_the_attempts_store_is_destroyed_at_exit_once(
     finally:
         shutdown()
     assert not dist.is_initialized()
+
+
+#: The threads of a gloo group (workers, ``tcp`` loop) and of a ``TCPStore`` server.
+DISTRIBUTED_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop", "pt_tcpstore_uv", "pt_tcpstore")
+
+
+def distributed_threads() -> set[int]:
+    """The ids of this process's threads that belong to a process group or a store's server."""
+    found = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # it ended meanwhile
+            continue
+        if name in DISTRIBUTED_THREADS:
+            found.add(int(tid))
+    return found
+
+
+def test_shutdown_leaves_no_thread_of_a_group_or_store_to_the_interpreters_exit() -> None:
+    # As at the end of a fit: the store, the default group and a strategy's own gloo group held
+    # only by a reference cycle (a Trainer, its strategy and loops), garbage nobody collected.
+    before = distributed_threads()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    trainer: dict[str, Any] = {"store": store, "world": dist.group.WORLD}
+    trainer["host_group"] = dist.new_group(backend="gloo")
+    trainer["strategy"] = {"trainer": trainer}  # the cycle
+    votes = torch.ones(2)
+    dist.all_reduce(votes, group=trainer["host_group"])
+    del store, trainer, votes
+    started = distributed_threads() - before
+    assert {"pt_gloo_runloop", "gloo_tcp_loop"} <= {thread_name(t) for t in started}, started
+    shutdown()
+    assert not dist.is_initialized()
+    # Destroyed, and their threads joined, now: not by the finalising interpreter.
+    assert distributed_threads() & started == set()
+
+
+def thread_name(tid: int) -> str:
+    with open(f"/proc/self/task/{tid}/comm") as f:
+        return f.read().strip()
 
 
 def test_a_vote_started_ahead_is_decided_later_with_the_same_outcome(

@@ -2,7 +2,8 @@
 
 One 2-rank launch (``tests/scripts/lifetime_ranks.py``): fitted and dropped models are freed
 (weakrefs dead, RSS flat over repeated fits), and a second strategy asking a live model for
-another sharding gets a named error on every rank instead of silently keeping the old one.
+another sharding gets a named error on every rank instead of silently keeping the old one. At
+the launch's exit no process group's or store's thread is left to the finalising interpreter.
 """
 
 from __future__ import annotations
@@ -19,10 +20,15 @@ RSS_SLACK_MIB = 40
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+def launch(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("lifetime")
     run_script("lifetime_ranks.py", str(out), timeout=600)
-    return load_ranks(Path(out), "lifetime")
+    return Path(out)
+
+
+@pytest.fixture(scope="module")
+def ranks(launch: Path) -> list[dict]:
+    return load_ranks(launch, "lifetime")
 
 
 def test_dropped_models_and_their_shards_are_freed(ranks: list[dict]) -> None:
@@ -44,3 +50,14 @@ def test_another_sharding_of_a_live_model_is_refused_by_name(ranks: list[dict]) 
         assert "fused_params: different ['optimizer']" in found["fused_params"]
         assert found["same"] == 4 and found["lr only"] == 4
         assert r["fused_lr"] == [0.05] * len(r["fused_lr"])
+        assert r["predicted"] == 1  # the predict after the fits ran (2 batches, 1 a rank)
+
+
+def test_no_group_or_store_thread_is_left_to_the_interpreters_exit(launch: Path) -> None:
+    # Left to the finalising interpreter, a gloo or store thread can abort the process
+    # ("terminate called without an active exception"); the package's exit hook joins them.
+    exits = load_ranks(launch, "exit")
+    assert len(exits) == 2
+    for r in exits:
+        left = [t for t in r["threads"] if t.startswith(("pt_gloo", "gloo_", "pt_tcpstore"))]
+        assert left == [], (r["rank"], r["threads"])

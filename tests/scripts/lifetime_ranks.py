@@ -6,14 +6,19 @@ Phases, in one launch:
    the trainer are dead, and the process's RSS after each round;
 2. one model fitted by a first strategy, then a second trainer whose strategy asks for another
    sharding (constraints, plan, fused optimizer): each must raise ``ShardingConflictError``;
-   one asking for nothing new (or a new fused learning rate) reuses the sharding.
+   one asking for nothing new (or a new fused learning rate) reuses the sharding; the last
+   trainer then predicts.
 
-Each rank writes ``lifetime_rank{r}.pt`` into the directory given as argv[1].
+Each rank writes ``lifetime_rank{r}.pt`` into the directory given as argv[1], and, last of all
+at its exit (after the package's own exit hook), ``exit_rank{r}.pt``: the names of the threads
+still running then (no process group's or store's may be left to the finalising interpreter).
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
+import os
 import sys
 import weakref
 from pathlib import Path
@@ -26,6 +31,22 @@ from lightning_torchrec.sharding.reuse import recorded
 
 OUT = Path(sys.argv[1])
 ROUNDS = 5
+
+
+def threads_left() -> None:
+    """Registered first, so run last at exit: what the interpreter's finalisation would meet."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            continue
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.save({"rank": rank, "threads": sorted(names)}, OUT / f"exit_rank{rank}.pt")
+
+
+atexit.register(threads_left)
 
 
 def rss_mib() -> float:
@@ -83,7 +104,9 @@ def conflicts() -> dict:
         trainer.fit(model, datamodule=tiny_data(rows=2000))
         found[name] = trainer.global_step
     lr = [g["lr"] for g in trainer.strategy.dmp.fused_optimizer.param_groups]
-    return {"conflicts": found, "fused_lr": lr}
+    # A predict after the fit (its own strategy set-up and host group), as a script ends.
+    predictions = trainer.predict(model, datamodule=tiny_data(rows=2000))
+    return {"conflicts": found, "fused_lr": lr, "predicted": len(predictions or [])}
 
 
 if __name__ == "__main__":
