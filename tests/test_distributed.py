@@ -387,3 +387,35 @@ def test_a_multi_agent_job_that_may_restart_is_told_to_give_rounds_their_own_sto
             for key, value in quiet.items():
                 m.setenv(key, value)
             warn_multi_agent_restarts()
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_a_closed_run_lets_its_vote_group_go_though_its_strategy_lives_on() -> None:
+    # A strategy keeps its last run's step runner (and its guard) while the Trainer lives; a
+    # destroyed group still referenced there keeps its gloo threads running to the process's exit.
+    import gc
+    import weakref
+
+    from torch import nn
+
+    from lightning_torchrec.training.steps import StepMode, StepRunner
+
+    group = dist.new_group(backend="gloo")
+    runner = StepRunner(
+        nn.Linear(1, 1),
+        torch.device("cpu"),
+        specs={},
+        dense_width=None,
+        group=group,
+        mode=StepMode(ahead=True),
+    )
+    runner.start_fit()
+    runner.guard.vote_ahead(None, batch_idx=0, last=False)  # a vote started: its handles held
+    runner.after_step()
+    seen = weakref.ref(group)
+    dist.destroy_process_group(group)
+    del group
+    runner.close()
+    gc.collect()
+    assert seen() is None
+    assert runner.guard.group is None

@@ -525,6 +525,15 @@ class StepGuard:
         check_even(last, "training", batch_idx)
         return stopping
 
+    def release(self) -> None:
+        """Lets go of the votes' process group and the last vote's handles (at the run's end).
+
+        A destroyed group's gloo threads stop only when nothing references the group any more;
+        a guard kept by a live Trainer (its strategy's last run) would keep them running.
+        """
+        self.group, self._ahead, self._decided = None, None, None
+        self._ahead_on = (None, self._ahead_on[1])
+
     def flush(self, ended: int | None = None) -> None:
         """The last step's loss and batch judged at training's end, on every rank (see settle)."""
         self.settle(loss=True, ended=ended)

@@ -782,8 +782,12 @@ class StepRunner:
             self.evaluation.release()
 
     def close(self) -> None:
-        """Releases the step's and the evaluation's batches and iterators (at teardown)."""
+        """Releases the step's and the evaluation's batches and iterators, and the vote's group.
+
+        Call at the end of the run (teardown): the runner votes no more after it.
+        """
         self.step.release()
         if self.evaluation is not None:
             self.evaluation.release()
         self._host_batch = None
+        self.guard.release()
