@@ -25,9 +25,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from lightning_torchrec import Batch, ModelAndLoss, TorchRecModule, TorchRecStrategy
 from lightning_torchrec.errors import BatchValidationError
 from lightning_torchrec.sharding.features import feature_specs
-from lightning_torchrec.training.batch_checks import check_batch, validate_batch
+from lightning_torchrec.training.batch_checks import check_batch, validate_batch, worker_verdict
 from lightning_torchrec.training.device_checks import FLAGS, DeferredVerdict, device_flags
-from lightning_torchrec.training.worker_checks import CheckingCollate, worker_verdict
+from lightning_torchrec.training.worker_checks import CheckingCollate
 from tests.scripts.factory import cpu_trainer, table_wise
 
 ROWS = 20

@@ -15,12 +15,8 @@ from torch.utils.data import DataLoader
 from lightning_torchrec import TorchRecStrategy
 from lightning_torchrec.errors import BatchValidationError
 from lightning_torchrec.training import step_guard
-from lightning_torchrec.training.worker_checks import (
-    UNCHECKED,
-    CheckingCollate,
-    check_in_workers,
-    worker_verdict,
-)
+from lightning_torchrec.training.batch_checks import UNCHECKED, worker_verdict
+from lightning_torchrec.training.worker_checks import CheckingCollate, check_in_workers
 from tests.scripts.factory import cpu_trainer, table_wise
 from tests.test_validation import SPECS, _Batches, batch, model
 

@@ -48,11 +48,10 @@ from lightning_torchrec.sharding.plan_summary import PlanSummary
 from lightning_torchrec.sharding.planning import ShardingConfig
 from lightning_torchrec.sharding.sharders import has_fused_tables
 from lightning_torchrec.sharding.tables import unwrap
-from lightning_torchrec.training.optim import DenseAndFusedOptimizer
+from lightning_torchrec.training.optim import DenseAndFusedOptimizer, push_fused_lr
 from lightning_torchrec.training.run import (
     ShardedRun,
     check_precision,
-    push_fused_lr,
     register_names,
 )
 from lightning_torchrec.training.steps import StepRunner

@@ -68,9 +68,9 @@ from lightning_torchrec.sharding.plan_summary import PlanSummary
 from lightning_torchrec.sharding.planning import ShardingConfig
 from lightning_torchrec.sharding.sharders import has_fused_tables
 from lightning_torchrec.training.device_checks import judged_next_step
-from lightning_torchrec.training.optim import combine_with_schedulers, keyed_further
+from lightning_torchrec.training.optim import combine_with_schedulers, keyed_further, push_fused_lr
 from lightning_torchrec.training.pipelines import PipelineConfig
-from lightning_torchrec.training.run import ShardedRun, push_fused_lr, register_names
+from lightning_torchrec.training.run import ShardedRun, register_names
 from lightning_torchrec.training.step_guard import StepGuard
 from lightning_torchrec.training.steps import (
     StepRunner,

@@ -45,6 +45,30 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from lightning_torchrec.errors import BatchValidationError
 from lightning_torchrec.sharding.features import FeatureSpec, FeatureSpecs, specs_for
 
+#: The instance attribute of a batch holding ``(token, message or None)``.
+VERDICT_ATTRIBUTE = "lightning_torchrec_batch_verdict"
+
+#: :func:`worker_verdict`'s answer for a batch no worker checked.
+UNCHECKED = object()
+
+
+def worker_verdict(batch: Any, token: str) -> Any:
+    """The verdict a worker attached to ``batch``, removing it from the batch.
+
+    Args:
+        batch: a batch from the loader.
+        token: the model's token.
+
+    Returns:
+        The problem's message, None for a good batch, or :data:`UNCHECKED` when no worker
+        checked it for this model.
+    """
+    attributes = getattr(batch, "__dict__", None)
+    if not isinstance(attributes, dict) or VERDICT_ATTRIBUTE not in attributes:
+        return UNCHECKED
+    found_token, problem = attributes.pop(VERDICT_ATTRIBUTE)
+    return problem if found_token == token else UNCHECKED
+
 
 def field_of(batch: Any, name: str) -> Any:
     """A batch's field by name (a mapping's key or an attribute), or None.

@@ -8,7 +8,7 @@ one object that sees both, while the training closure still runs once (the fused
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -377,3 +377,19 @@ def keyed_optimizer(optimizer: Any) -> KeyedOptimizer:
             "the optimizer from `combine_optimizers(...)` in configure_optimizers."
         )
     return opt
+
+
+def push_fused_lr(optimizers: Iterable[Any]) -> None:
+    """Pushes each combined optimizer's learning rate into its fused kernels.
+
+    The fused kernels read the learning rate during the backward, but TorchRec's fused optimizer
+    pushes a changed ``param_group["lr"]`` only in its own ``step()``: a scheduler's change made
+    after the last step reaches the kernels before this forward (and the first step after a
+    resume uses the restored rate, not the constructor's).
+
+    Args:
+        optimizers: the front end's optimizers (those that are not combined are skipped).
+    """
+    for optimizer in optimizers:
+        if isinstance(optimizer, DenseAndFusedOptimizer):
+            optimizer.push_fused_lr()

@@ -12,7 +12,7 @@ ends over one :class:`ShardedRun`. It does what both do, in one place:
 * the collectives of the front end (barriers, broadcasts, reductions), each of which names a
   peer that died (:meth:`ShardedRun.collective`);
 * the fused embedding optimizer's learning rate, pushed into the kernels before each forward
-  (:func:`push_fused_lr`);
+  (:func:`~lightning_torchrec.training.optim.push_fused_lr`);
 * the precisions a sharded model cannot train with (:func:`check_precision`);
 * a failure of this rank told to the others before it exits (:meth:`ShardedRun.report`);
 * the end: the steps' batches and iterators released, the host group destroyed, the run's
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import gc
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -42,25 +42,8 @@ from lightning_torchrec.distributed import (
 from lightning_torchrec.errors import PeerFailureError
 from lightning_torchrec.failure_reports import begin_run, post
 from lightning_torchrec.sharding.planning import ShardedModel, ShardingConfig, shard_model
-from lightning_torchrec.training.optim import DenseAndFusedOptimizer
 from lightning_torchrec.training.step_guard import StepGuard
 from lightning_torchrec.training.steps import BATCH_CHECKS, StepMode, StepRunner
-
-
-def push_fused_lr(optimizers: Iterable[Any]) -> None:
-    """Pushes each combined optimizer's learning rate into its fused kernels.
-
-    The fused kernels read the learning rate during the backward, but TorchRec's fused optimizer
-    pushes a changed ``param_group["lr"]`` only in its own ``step()``: a scheduler's change made
-    after the last step reaches the kernels before this forward (and the first step after a
-    resume uses the restored rate, not the constructor's).
-
-    Args:
-        optimizers: the front end's optimizers (those that are not combined are skipped).
-    """
-    for optimizer in optimizers:
-        if isinstance(optimizer, DenseAndFusedOptimizer):
-            optimizer.push_fused_lr()
 
 
 def check_precision(precision: Any, fused_tables: bool) -> None:

@@ -34,9 +34,13 @@ from lightning_torchrec.distributed import (
 )
 from lightning_torchrec.errors import BatchValidationError, NonFiniteLossError, UnevenDataError
 from lightning_torchrec.sharding.features import FeatureSpec
-from lightning_torchrec.training.batch_checks import check_batch
+from lightning_torchrec.training.batch_checks import (
+    UNCHECKED,
+    VERDICT_ATTRIBUTE,
+    check_batch,
+    worker_verdict,
+)
 from lightning_torchrec.training.device_checks import DeferredVerdict, HostCopy
-from lightning_torchrec.training.worker_checks import UNCHECKED, VERDICT_ATTRIBUTE, worker_verdict
 
 
 def loss_to_judge(loss: torch.Tensor) -> torch.Tensor:

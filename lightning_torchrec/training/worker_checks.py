@@ -20,13 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from lightning_torchrec.sharding.features import FeatureSpec, FeatureSpecs
-from lightning_torchrec.training.batch_checks import batch_problem
-
-#: The instance attribute of a batch holding ``(token, message or None)``.
-VERDICT_ATTRIBUTE = "lightning_torchrec_batch_verdict"
-
-#: :func:`worker_verdict`'s answer for a batch no worker checked.
-UNCHECKED = object()
+from lightning_torchrec.training.batch_checks import VERDICT_ATTRIBUTE, batch_problem
 
 
 class CheckingCollate:
@@ -97,21 +91,3 @@ def check_in_workers(
     except (AttributeError, ValueError):  # a loader that refuses new attributes
         return False
     return True
-
-
-def worker_verdict(batch: Any, token: str) -> Any:
-    """The verdict a worker attached to ``batch``, removing it from the batch.
-
-    Args:
-        batch: a batch from the loader.
-        token: the model's token.
-
-    Returns:
-        The problem's message, None for a good batch, or :data:`UNCHECKED` when no worker
-        checked it for this model.
-    """
-    attributes = getattr(batch, "__dict__", None)
-    if not isinstance(attributes, dict) or VERDICT_ATTRIBUTE not in attributes:
-        return UNCHECKED
-    found_token, problem = attributes.pop(VERDICT_ATTRIBUTE)
-    return problem if found_token == token else UNCHECKED
