@@ -185,12 +185,12 @@ class ShardedRun:
 
     # ------------------------------------------------------------------ collectives
     def collective(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Runs ``fn``, which enters collectives; a peer that died raises ``PeerFailureError``.
+        """Runs a front end's own collective (barrier, broadcast, backward); names a dead peer.
 
         Args:
-            fn: the call.
-            *args: its positional arguments.
-            **kwargs: its keyword arguments.
+            fn: the call; ``args`` and ``kwargs`` are its arguments.
+            *args: passed on.
+            **kwargs: passed on.
 
         Returns:
             What ``fn`` returned.
