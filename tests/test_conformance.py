@@ -109,7 +109,8 @@ def test_a_row_wise_checkpoint_reshards_table_wise_and_exports(out: Path, tmp_pa
     from lightning_torchrec.export import export
 
     with warnings.catch_warnings():  # torchrec's test_utils use torch.jit.script at import
-        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch 2.13
+        warnings.filterwarnings("ignore", "`torch.jit.script` is deprecated", FutureWarning)
         from tests.scripts.conformance_ranks import HALF as SCRIPT_HALF
         from tests.scripts.conformance_ranks import DLRMWrapped
     assert SCRIPT_HALF == HALF
