@@ -117,3 +117,18 @@ class IdOutOfRangeError(ServedInputError, IndexError):
 
     Also an ``IndexError``: what a float model's lookup of such an id raised before.
     """
+
+
+class PartitionError(ValueError):
+    """A stream partition that cannot be trained on; names the partition and what is wrong.
+
+    Missing, unreadable, or with other columns than the stream's first partition.
+    """
+
+
+class DeltaRefusedError(ValueError):
+    """A delta that cannot be applied; names the delta and the reason.
+
+    Out of order, a gap in its chain, another model, an id outside its table, a damaged or
+    unsigned file. Nothing of it was applied: the model keeps its last good state.
+    """
