@@ -40,7 +40,7 @@ from lightning_torchrec.data.resumable import (
     worker_slot,
 )
 
-__all__ = ["ParquetClickData", "ParquetClickDataset", "expand_paths"]
+__all__ = ["ParquetClickData", "ParquetClickDataset", "ParquetRows", "expand_paths"]
 
 
 def expand_paths(paths: str | Sequence[str]) -> list[Path]:
@@ -74,8 +74,15 @@ def expand_paths(paths: str | Sequence[str]) -> list[Path]:
     return files
 
 
-class ParquetClickDataset(ResumableIterableDataset):
-    """Batches of click samples streamed from Parquet row groups (see the module docstring).
+class ParquetRows:
+    """The rows of Parquet files as batches: their columns checked, their row groups listed.
+
+    What :class:`ParquetClickDataset` and the partitions of a stream
+    (:mod:`lightning_torchrec.data.stream`) share: the files' columns are checked against their
+    roles when it is built, :attr:`row_groups` lists ``(file, row group, rows)`` in order,
+    :meth:`read_group` reads one row group in the one schema (numbers float32, ids int64 modulo
+    the table sizes) and :meth:`to_batch` turns rows into a :class:`Batch`. How row groups are
+    dealt to readers is the user's.
 
     Args:
         paths: Parquet files, directories or glob patterns.
@@ -83,18 +90,13 @@ class ParquetClickDataset(ResumableIterableDataset):
         sparse_columns: id columns (lists of integers, or integers), one sparse feature each.
         label_column: the 0/1 label column.
         weight_column: a sample-weight column, or None.
-        batch_size: samples per batch.
-        rank: this process's rank.
-        world_size: the number of ranks.
-        num_workers: the DataLoader workers that will iterate this dataset.
         feature_names: the KJT keys of the sparse columns (default: the column names).
         num_embeddings_per_feature: ids are taken modulo these table sizes (None: as stored).
 
     Raises:
         ValueError: naming the file and column, for a missing column or one of the wrong type,
-            naming the file for one that is not Parquet (or is truncated), when the files have
-            fewer rows than one batch per reader, or for a table size or batch size below 1.
-            A row group that cannot be read fails when it is read, naming the file and group.
+            naming the file for one that is not Parquet (or is truncated), or for a table size
+            below 1.
     """
 
     def __init__(
@@ -104,10 +106,6 @@ class ParquetClickDataset(ResumableIterableDataset):
         sparse_columns: Sequence[str],
         label_column: str,
         weight_column: str | None = None,
-        batch_size: int = 512,
-        rank: int = 0,
-        world_size: int = 1,
-        num_workers: int = 0,
         feature_names: Sequence[str] | None = None,
         num_embeddings_per_feature: Sequence[int] | None = None,
     ) -> None:
@@ -126,12 +124,9 @@ class ParquetClickDataset(ResumableIterableDataset):
             raise ValueError("num_embeddings_per_feature needs one size per sparse column")
         if self.hashes is not None:
             check_positive("num_embeddings_per_feature", self.hashes)
-        check_positive("batch_size", batch_size)
-        self.batch_size = batch_size
-        self.rank = rank
-        self.world_size = world_size
-        self.num_slots = max(num_workers, 1)
         self.row_groups: list[tuple[int, int, int]] = []  # (file, row group, rows)
+        #: Every file's column names, in the order of the files.
+        self.file_columns: list[list[str]] = []
         # A sparse column is read as bags (jagged) if any file holds it as lists.
         self.bags = [False] * len(self.sparse_columns)
         for i, path in enumerate(self.files):
@@ -143,23 +138,17 @@ class ParquetClickDataset(ResumableIterableDataset):
             check_schema(
                 path, schema, self.dense_columns, self.sparse_columns, label_column, weight_column
             )
+            self.file_columns.append(list(schema.names))
             for f, column in enumerate(self.sparse_columns):
                 self.bags[f] |= is_bag(schema.field(column).type)
             self.row_groups += [
                 (i, g, meta.row_group(g).num_rows) for g in range(meta.num_row_groups)
             ]
-        readers = world_size * self.num_slots
-        rows = [sum(r for *_, r in self.row_groups[s::readers]) for s in range(readers)]
-        self.batches_per_slot = min(rows) // batch_size
-        if self.batches_per_slot == 0:
-            raise ValueError(
-                f"{len(self.row_groups)} row groups ({sum(rows)} rows) give a reader of "
-                f"{world_size} ranks x {self.num_slots} workers fewer than {batch_size} rows: "
-                "write smaller row groups, or use a smaller batch or fewer workers"
-            )
 
-    def __len__(self) -> int:
-        return self.batches_per_slot * self.num_slots
+    @property
+    def num_rows(self) -> int:
+        """The rows of all files."""
+        return sum(rows for *_, rows in self.row_groups)
 
     def columns(self) -> list[str]:
         """The columns read.
@@ -219,6 +208,101 @@ class ParquetClickDataset(ResumableIterableDataset):
             weights=weights,
         )
 
+    def read_group(self, index: int, opened: dict[int, Any] | None = None) -> pa.Table:
+        """One row group of :attr:`row_groups`, in the one schema (see :meth:`to_batch`).
+
+        Args:
+            index: the row group's place in :attr:`row_groups`.
+            opened: a cache of the last file opened, kept by the caller across calls.
+
+        Returns:
+            Its rows, normalised.
+
+        Raises:
+            ValueError: naming the file and row group, when it cannot be read (a corrupt page)
+                or holds an id above ``2**63 - 1`` without table sizes.
+        """
+        table, where = self._read_raw(index, {} if opened is None else opened)
+        return self._normalise(table, where)
+
+    def _read_raw(self, index: int, opened: dict[int, Any]) -> tuple[pa.Table, str]:
+        """A row group's columns as stored, and its name for errors."""
+        file_index, group, _ = self.row_groups[index]
+        where = f"{self.files[file_index]} (row group {group})"
+        try:
+            if file_index not in opened:
+                opened.clear()
+                opened[file_index] = pq.ParquetFile(self.files[file_index])
+            return opened[file_index].read_row_group(group, columns=self.columns()), where
+        except (pa.ArrowException, OSError) as e:  # a corrupt page: name the row group
+            raise ValueError(f"{where}: cannot be read: {e}") from e
+
+
+class ParquetClickDataset(ParquetRows, ResumableIterableDataset):
+    """Batches of click samples streamed from Parquet row groups (see the module docstring).
+
+    Args:
+        paths: Parquet files, directories or glob patterns.
+        dense_columns: numeric columns, in order, forming ``dense_features``.
+        sparse_columns: id columns (lists of integers, or integers), one sparse feature each.
+        label_column: the 0/1 label column.
+        weight_column: a sample-weight column, or None.
+        batch_size: samples per batch.
+        rank: this process's rank.
+        world_size: the number of ranks.
+        num_workers: the DataLoader workers that will iterate this dataset.
+        feature_names: the KJT keys of the sparse columns (default: the column names).
+        num_embeddings_per_feature: ids are taken modulo these table sizes (None: as stored).
+
+    Raises:
+        ValueError: naming the file and column, for a missing column or one of the wrong type,
+            naming the file for one that is not Parquet (or is truncated), when the files have
+            fewer rows than one batch per reader, or for a table size or batch size below 1.
+            A row group that cannot be read fails when it is read, naming the file and group.
+    """
+
+    def __init__(
+        self,
+        paths: str | Sequence[str],
+        dense_columns: Sequence[str],
+        sparse_columns: Sequence[str],
+        label_column: str,
+        weight_column: str | None = None,
+        batch_size: int = 512,
+        rank: int = 0,
+        world_size: int = 1,
+        num_workers: int = 0,
+        feature_names: Sequence[str] | None = None,
+        num_embeddings_per_feature: Sequence[int] | None = None,
+    ) -> None:
+        ParquetRows.__init__(
+            self,
+            paths,
+            dense_columns,
+            sparse_columns,
+            label_column,
+            weight_column,
+            feature_names,
+            num_embeddings_per_feature,
+        )
+        check_positive("batch_size", batch_size)
+        self.batch_size = batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.num_slots = max(num_workers, 1)
+        readers = world_size * self.num_slots
+        rows = [sum(r for *_, r in self.row_groups[s::readers]) for s in range(readers)]
+        self.batches_per_slot = min(rows) // batch_size
+        if self.batches_per_slot == 0:
+            raise ValueError(
+                f"{len(self.row_groups)} row groups ({sum(rows)} rows) give a reader of "
+                f"{world_size} ranks x {self.num_slots} workers fewer than {batch_size} rows: "
+                "write smaller row groups, or use a smaller batch or fewer workers"
+            )
+
+    def __len__(self) -> int:
+        return self.batches_per_slot * self.num_slots
+
     def __iter__(self) -> Iterator[Batch]:
         slot, num_slots, skip = worker_slot(self.start_batch)
         if num_slots != self.num_slots:
@@ -227,29 +311,22 @@ class ParquetClickDataset(ResumableIterableDataset):
                 "pass the DataLoader's num_workers to the dataset"
             )
         reader = self.rank * num_slots + slot
-        groups = self.row_groups[reader :: self.world_size * num_slots]
         to_skip = skip * self.batch_size  # rows already trained on
         produced = skip
         pending: pa.Table | None = None
-        opened: dict[int, pq.ParquetFile] = {}
-        for file_index, group, rows in groups:
+        opened: dict[int, Any] = {}
+        for index in range(reader, len(self.row_groups), self.world_size * num_slots):
+            rows = self.row_groups[index][2]
             if produced >= self.batches_per_slot:
                 break
             if to_skip >= rows:  # never read a row group the resumed run skips whole
                 to_skip -= rows
                 continue
-            try:
-                if file_index not in opened:
-                    opened.clear()
-                    opened[file_index] = pq.ParquetFile(self.files[file_index])
-                table = opened[file_index].read_row_group(group, columns=self.columns())
-            except (pa.ArrowException, OSError) as e:  # a corrupt page: name the row group
-                where = f"{self.files[file_index]} (row group {group})"
-                raise ValueError(f"{where}: cannot be read: {e}") from e
+            table, where = self._read_raw(index, opened)
             if to_skip:
                 table, to_skip = table.slice(to_skip), 0
             # One schema for every file's rows: a batch may span two files.
-            table = self._normalise(table, f"{self.files[file_index]} (row group {group})")
+            table = self._normalise(table, where)
             pending = table if pending is None else pa.concat_tables([pending, table])
             while pending.num_rows >= self.batch_size and produced < self.batches_per_slot:
                 yield self._batch(pending.slice(0, self.batch_size))
