@@ -1,0 +1,273 @@
+"""A stream of time partitions: order, waiting, the end, bad partitions, exact resumes, and the
+progressive metrics per partition.
+
+One process each (a Trainer under ``TorchRecStrategy`` on one CPU rank), but for one 2-rank
+launch (``scripts/stream_ranks.py``) that trains part of a partition on 2 ranks and resumes it on
+one. Row ``i`` of partition ``p`` holds ``d0 = (1000 p + i) / 1000`` (its identity, read back from
+each batch), ids ``cat_0 = i % 7``, ``cat_1 = i % 5`` and ``label = i % 3 == 0``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from lightning_torchrec import TorchRecStrategy
+from lightning_torchrec.data import PartitionStreamData
+from lightning_torchrec.errors import PartitionError
+from lightning_torchrec.lightning import ProgressiveEvaluation
+from tests.helpers import load_ranks, run_script
+from tests.scripts.factory import Capture, cpu_trainer, table_wise, tiny_dlrm
+
+ROWS = 7  # table rows of the tiny model
+
+
+def write_partition(
+    root: Path, name: str, index: int, rows: int, group: int = 16, marker: bool = True, **extra
+) -> Path:
+    """Partition ``index`` as the directory ``root/name`` (with ``_SUCCESS`` when ``marker``)."""
+    i = np.arange(rows)
+    columns = {
+        "d0": (1000 * index + i) / 1000.0,
+        "cat_0": i % 7,
+        "cat_1": i % 5,
+        "label": (i % 3 == 0).astype(np.int64),
+        **extra,
+    }
+    folder = root / name
+    folder.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(columns), folder / "part-0.parquet", row_group_size=group)
+    if marker:
+        (folder / "_SUCCESS").touch()
+    return folder
+
+
+def stream(root: Path | list, **kwargs: Any) -> PartitionStreamData:
+    kwargs.setdefault("batch_size", 8)
+    kwargs.setdefault("poll_seconds", 0.05)
+    return PartitionStreamData(root, ["d0"], ["cat_0", "cat_1"], "label", **kwargs)
+
+
+def row_ids(batch: Any) -> list[int]:
+    return [round(float(x) * 1000) for x in batch.dense_features[:, 0]]
+
+
+def hours(root: Path, sizes: list[int]) -> list[Path]:
+    return [write_partition(root, f"hour=T{p:02d}", p, n) for p, n in enumerate(sizes)]
+
+
+# ---------------------------------------------------------------------- without a Trainer
+def test_partitions_are_trained_in_order_once_and_the_stream_ends(tmp_path: Path) -> None:
+    """Each iteration of the training loader is the next partition, whole batches of it in row
+    order; after the last one (no wait) the loader yields nothing and ``ended`` says why."""
+    hours(tmp_path, [40, 24, 19])
+    (tmp_path / "_temporary").mkdir()  # a writer's scratch: ignored
+    data = stream(tmp_path)
+    loader = data.train_dataloader()
+    seen = []
+    while data.ended is None:
+        seen.append([row_ids(b) for b in loader])
+    assert seen[0] == [list(range(k, k + 8)) for k in range(0, 40, 8)]
+    assert seen[1] == [list(range(1000 + k, 1008 + k)) for k in (0, 8, 16)]
+    assert seen[2] == [list(range(2000 + k, 2008 + k)) for k in (0, 8)]  # 3 tail rows dropped
+    assert len(seen) == 3  # the end is known at the last partition's end
+    assert list(loader) == []
+    assert [p.name for p in data.partitions] == ["hour=T00", "hour=T01", "hour=T02"]
+    assert "no partition after 'hour=T02'" in data.ended
+
+
+def test_a_directory_counts_once_it_holds_the_marker(tmp_path: Path) -> None:
+    """A partition directory without ``_SUCCESS`` is still being written: not taken (the
+    stream ends before it); ``ready_marker=None`` takes it."""
+    write_partition(tmp_path, "hour=T00", 0, 16)
+    write_partition(tmp_path, "hour=T01", 1, 16, marker=False)
+    data = stream(tmp_path)
+    loader = data.train_dataloader()
+    assert len(list(loader)) == 2
+    assert data.ended is not None and list(loader) == []
+    assert [p.name for p in data.partitions] == ["hour=T00"]
+    anything = stream(tmp_path, ready_marker=None)
+    loader = anything.train_dataloader()
+    assert [len(list(loader)) for _ in range(3)] == [2, 2, 0]
+
+
+def test_a_partition_written_while_waiting_is_picked_up(tmp_path: Path) -> None:
+    """At a partition's end the loader waits (polling) for the next one; one that appears
+    within the timeout is trained next; the marker written last makes it count."""
+    write_partition(tmp_path, "hour=T00", 0, 16)
+    data = stream(tmp_path, timeout_seconds=30)
+    loader = data.train_dataloader()
+
+    def write_later() -> None:
+        time.sleep(0.5)
+        write_partition(tmp_path, "hour=T01", 1, 24, marker=False)
+        time.sleep(0.3)
+        (tmp_path / "hour=T01" / "_SUCCESS").touch()
+
+    writer = threading.Thread(target=write_later)
+    start = time.monotonic()
+    writer.start()
+    assert len(list(loader)) == 2  # then waits for hour=T01
+    writer.join()
+    assert 0.8 < time.monotonic() - start < 20
+    data.timeout_seconds = 0.2  # no third partition
+    assert [row_ids(b) for b in loader] == [list(range(1000 + k, 1008 + k)) for k in (0, 8, 16)]
+    assert "no partition after 'hour=T01'" in str(data.ended)
+
+
+def test_a_partition_sorting_before_one_taken_is_skipped_with_a_warning(tmp_path: Path) -> None:
+    hours(tmp_path, [16])
+    write_partition(tmp_path, "hour=T05", 5, 16)
+    data = stream(tmp_path)
+    loader = data.train_dataloader()
+    list(loader)  # hour=T00, then hour=T05 is taken
+    write_partition(tmp_path, "hour=T03", 3, 16)  # late
+    write_partition(tmp_path, "hour=T06", 6, 16)
+    with pytest.warns(UserWarning, match=r"partition 'hour=T03' .* appeared after partition "):
+        assert [row_ids(b)[0] for b in loader] == [5000, 5008]  # then the next is looked for
+    assert row_ids(next(iter(loader)))[0] == 6000
+    assert [p.name for p in data.partitions] == ["hour=T00", "hour=T05", "hour=T06"]
+
+
+def test_an_ordered_list_is_the_stream_and_a_missing_one_is_refused(tmp_path: Path) -> None:
+    """A list's order is the stream's (not the names'); it ends after the last; a listed
+    partition absent at the end of the wait is a PartitionError naming it."""
+    a, b = hours(tmp_path, [16, 16])
+    file = tmp_path / "extra.parquet"
+    pq.write_table(pq.read_table(a / "part-0.parquet"), file)
+    data = stream([b, file, a])
+    loader = data.train_dataloader()
+    firsts = [row_ids(next(iter(loader)))[0] for _ in range(3)]
+    assert firsts == [1000, 0, 0] and [p.name for p in data.partitions] == [
+        "hour=T01",
+        "extra",
+        "hour=T00",
+    ]
+    assert list(loader) == [] and "last listed partition 'hour=T00'" in data.ended
+    missing = stream([a, tmp_path / "hour=T09"], timeout_seconds=0.2)
+    loader = missing.train_dataloader()
+    list(loader)
+    with pytest.raises(PartitionError, match=r"partition 'hour=T09' \(.*\) is missing"):
+        list(loader)
+
+
+def test_bad_partitions_are_refused_naming_them(tmp_path: Path) -> None:
+    """A file that is not Parquet, a partition with other columns than the first, one missing a
+    role's column: PartitionError naming the partition (and the file)."""
+    write_partition(tmp_path, "hour=T00", 0, 16)
+    write_partition(tmp_path, "hour=T01", 1, 16, new=np.zeros(16))
+    data = stream(tmp_path)
+    loader = data.train_dataloader()
+    list(loader)
+    with pytest.raises(
+        PartitionError, match=r"partition 'hour=T01' .*other columns.*added: \['new'\]"
+    ):
+        list(loader)
+    corrupt = tmp_path / "corrupt"
+    write_partition(corrupt, "hour=T00", 0, 16)
+    (corrupt / "hour=T01").mkdir()
+    (corrupt / "hour=T01" / "part-0.parquet").write_bytes(b"PAR1 not really")
+    (corrupt / "hour=T01" / "_SUCCESS").touch()
+    data = stream(corrupt)
+    loader = data.train_dataloader()
+    list(loader)
+    with pytest.raises(
+        PartitionError, match=r"partition 'hour=T01' .*part-0.parquet: not a readable"
+    ):
+        list(loader)
+
+
+# ---------------------------------------------------------------------- under a Trainer
+class Rows(Callback):
+    """Records the rows of every training batch and the loss of every step."""
+
+    def __init__(self) -> None:
+        self.rows: list[list[int]] = []
+        self.losses: list[torch.Tensor] = []
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, i: int
+    ) -> None:
+        self.rows.append(row_ids(batch))
+        self.losses.append(outputs["loss"].detach().clone())
+
+
+def fit(
+    data: PartitionStreamData,
+    root: Path,
+    callbacks: list[Callback],
+    ckpt_path: Path | None = None,
+    **kwargs: Any,
+) -> L.Trainer:
+    L.seed_everything(3)
+    model = tiny_dlrm(ROWS, 2, num_dense_features=1)
+    kwargs.setdefault("max_epochs", -1)
+    trainer = cpu_trainer(
+        TorchRecStrategy(constraints=table_wise(2), log_plan=False),
+        callbacks=callbacks,
+        default_root_dir=root,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+        **kwargs,
+    )
+    trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_the_fit_ends_cleanly_when_no_partition_comes_in_time(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``max_epochs=-1``: one epoch per partition, then the wait for the next times out, the fit
+    stops (no error) with one log line naming the last partition and the wait."""
+    hours(tmp_path / "data", [24, 16])
+    rows = Rows()
+    with caplog.at_level(logging.INFO, logger="lightning_torchrec.data.stream"):
+        trainer = fit(
+            stream(tmp_path / "data", timeout_seconds=0.3), tmp_path, [rows], limit_val_batches=0
+        )
+    assert trainer.current_epoch == 2 and trainer.global_step == 5
+    assert [r[0] for r in rows.rows] == [0, 8, 16, 1000, 1008]
+    ended = [r.getMessage() for r in caplog.records if "stream ended" in r.getMessage()]
+    assert ended == [
+        f"partition stream ended: no partition after 'hour=T01' appeared in {tmp_path / 'data'} "
+        "within 0.3 s; the fit stops"
+    ]
+
+
+def test_progressive_metrics_are_logged_per_partition(tmp_path: Path) -> None:
+    """Validation at epoch e's end evaluates partition e + 1 (never trained yet), the sanity
+    check partition 0: NE, calibration and AUROC of each reach every logger as ``online/*`` at
+    step = the partition's index, and the history names the partitions."""
+    hours(tmp_path / "data", [24, 16, 16])
+    capture, progressive, rows = Capture(), ProgressiveEvaluation(), Rows()
+    trainer = fit(
+        stream(tmp_path / "data"),
+        tmp_path,
+        [progressive, rows],
+        logger=capture,
+        num_sanity_val_steps=-1,
+    )
+    assert trainer.current_epoch == 3
+    assert [(r["index"], r["partition"]) for r in progressive.history] == [
+        (0, "hour=T00"),
+        (1, "hour=T01"),
+        (2, "hour=T02"),
+    ]
+    for record in progressive.history:
+        assert {"ne", "calibration", "auroc", "loss"} <= record.keys()
+        logged = capture.metrics[record["index"]]
+        for name in ("ne", "calibration", "auroc"):
+            assert logged[f"online/{name}"] == pytest.approx(record[name])
+    # partition 1 was evaluated after training on partition 0 only: its NE differs from the
+    # untrained model's on partition 0
+    assert progressive.history[0]["ne"] != progressive.history[1]["ne"]
