@@ -10,6 +10,7 @@ each batch), ids ``cat_0 = i % 7``, ``cat_1 = i % 5`` and ``label = i % 3 == 0``
 from __future__ import annotations
 
 import logging
+import warnings
 import threading
 import time
 from pathlib import Path
@@ -271,3 +272,31 @@ def test_progressive_metrics_are_logged_per_partition(tmp_path: Path) -> None:
     # partition 1 was evaluated after training on partition 0 only: its NE differs from the
     # untrained model's on partition 0
     assert progressive.history[0]["ne"] != progressive.history[1]["ne"]
+
+
+def test_a_mid_partition_checkpoint_resumes_bit_equal_on_the_same_partitions(
+    tmp_path: Path,
+) -> None:
+    """Checkpoints after every step (one at a partition's last batch, others within
+    partitions): a fresh run resumed from each trains the same rows with bit-equal losses, and
+    each epoch keeps its partition although a partition sorting before a taken one appeared
+    since (skipped with a warning)."""
+    data_dir = tmp_path / "data"
+    hours(data_dir, [24, 40, 24])  # 3 + 5 + 3 steps of 8 rows
+    every = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=1, save_top_k=-1)
+    full = Rows()
+    fit(stream(data_dir), tmp_path, [full, every], limit_val_batches=0)
+    assert [r[0] for r in full.rows] == [0, 8, 16] + [1000 + 8 * k for k in range(5)] + [2000, 2008, 2016]
+    for step in (3, 4, 9):
+        if step == 9:  # hour=T02 was taken before this checkpoint; hour=T01a sorts before it
+            write_partition(data_dir, "hour=T01a", 9, 16)
+        (path,) = (tmp_path / "ckpts").glob(f"*step={step}.ckpt")
+        resumed = Rows()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fit(stream(data_dir), tmp_path, [resumed], ckpt_path=path, limit_val_batches=0)
+        assert resumed.rows == full.rows[step:], step
+        for got, want in zip(resumed.losses, full.losses[step:], strict=True):
+            assert torch.equal(got, want), step
+        skipped = [w for w in caught if "'hour=T01a'" in str(w.message)]
+        assert len(skipped) == (step == 9), step

@@ -348,6 +348,19 @@ class PartitionStreamLoader(ResumableDataLoader):
         self.dataset.start_batch = 0
         self._started, self._resume = self._resume, (0, 0)
         index = self.data.index_for(self)
+        if self.stage == "train" and self._started[0] > 0:
+            partition = self.data.partition(index)
+            dataset = self.dataset
+            assert isinstance(dataset, PartitionStreamDataset)
+            if partition is not None and (
+                self._started[0] + self.rows_per_step > dataset.rows(partition).num_rows
+            ):
+                # Resumed after the partition's last batch: Lightning ends this epoch without
+                # reading and reads the next epoch from this iterator.
+                index, self._started = index + 1, (0, 0)
+        return self._batches(index)
+
+    def _batches(self, index: int) -> Iterator[Any]:
         partition = self.data.partition(index)
         self.partition = partition
         if self.stage == "train":
