@@ -10,9 +10,9 @@ each batch), ids ``cat_0 = i % 7``, ``cat_1 = i % 5`` and ``label = i % 3 == 0``
 from __future__ import annotations
 
 import logging
-import warnings
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -286,7 +286,11 @@ def test_a_mid_partition_checkpoint_resumes_bit_equal_on_the_same_partitions(
     every = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=1, save_top_k=-1)
     full = Rows()
     fit(stream(data_dir), tmp_path, [full, every], limit_val_batches=0)
-    assert [r[0] for r in full.rows] == [0, 8, 16] + [1000 + 8 * k for k in range(5)] + [2000, 2008, 2016]
+    assert [r[0] for r in full.rows] == [0, 8, 16] + [1000 + 8 * k for k in range(5)] + [
+        2000,
+        2008,
+        2016,
+    ]
     for step in (3, 4, 9):
         if step == 9:  # hour=T02 was taken before this checkpoint; hour=T01a sorts before it
             write_partition(data_dir, "hour=T01a", 9, 16)
@@ -300,3 +304,49 @@ def test_a_mid_partition_checkpoint_resumes_bit_equal_on_the_same_partitions(
             assert torch.equal(got, want), step
         skipped = [w for w in caught if "'hour=T01a'" in str(w.message)]
         assert len(skipped) == (step == 9), step
+
+
+def test_a_resume_under_another_batch_size_trains_exactly_the_rows_left(tmp_path: Path) -> None:
+    """Batches of 8, checkpoint 1 batch into partition 1 (its rows 0-7 trained): resumed with
+    batches of 6 it trains rows 8-37 (the 2-row tail is dropped), nothing twice, nothing left
+    out; a checkpoint of that run, off its own batch boundary (rows 8 + 2 * 6 = 20), resumes
+    with batches of 8 at row 20 exactly."""
+    data_dir = tmp_path / "data"
+    hours(data_dir, [24, 40])
+    every = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=1, save_top_k=-1)
+    fit(stream(data_dir), tmp_path, [every], limit_val_batches=0)
+    (path,) = (tmp_path / "ckpts").glob("*step=4.ckpt")
+    sixes = Rows()
+    again = ModelCheckpoint(dirpath=tmp_path / "again", every_n_train_steps=1, save_top_k=-1)
+    fit(
+        stream(data_dir, batch_size=6),
+        tmp_path,
+        [sixes, again],
+        ckpt_path=path,
+        limit_val_batches=0,
+    )
+    assert sixes.rows == [list(range(1000 + k, 1006 + k)) for k in range(8, 38, 6)]
+    (path,) = (tmp_path / "again").glob("*step=6.ckpt")  # 2 batches of 6 after the resume
+    eights = Rows()
+    fit(stream(data_dir), tmp_path, [eights], ckpt_path=path, limit_val_batches=0)
+    assert eights.rows == [list(range(1000 + k, 1008 + k)) for k in (20, 28)]
+
+
+def test_two_ranks_resumed_on_one_train_exactly_the_rows_left(tmp_path: Path) -> None:
+    """2 ranks split each global batch of 8 rows (rank 0 its first 4, rank 1 the next 4);
+    a checkpoint 2 steps into partition 1 (its rows 0-15 trained) resumes on 1 rank with
+    batches of 6 at row 16: rows 16-39, then partition 2, nothing twice, nothing left out."""
+    data_dir = tmp_path / "data"
+    hours(data_dir, [24, 40, 16])
+    run_script("stream_ranks.py", str(tmp_path), str(data_dir), timeout=240)
+    full = load_ranks(tmp_path, "full")
+    per_step = [a + b for a, b in zip(full[0]["rows"], full[1]["rows"], strict=True)]
+    assert per_step == [list(range(k, k + 8)) for k in (0, 8, 16)] + [
+        list(range(1000 + k, 1008 + k)) for k in range(0, 40, 8)
+    ] + [list(range(2000 + k, 2008 + k)) for k in (0, 8)]
+    (path,) = (tmp_path / "ckpts").glob("*step=5.ckpt")
+    one = Rows()
+    fit(stream(data_dir, batch_size=6), tmp_path, [one], ckpt_path=path, limit_val_batches=0)
+    assert one.rows == [list(range(1000 + k, 1006 + k)) for k in range(16, 40, 6)] + [
+        list(range(2000 + k, 2006 + k)) for k in (0, 6)
+    ]

@@ -22,7 +22,9 @@ the stream lists the source every ``poll_seconds`` for up to ``timeout_seconds``
 and decides, and every rank takes its decision (one ``broadcast_object_list`` on the default
 process group, at the loader's iterator creation, which every rank reaches together). If no new
 partition appeared in time the stream ends: one log line names the last partition and the wait,
-the fit stops cleanly (``trainer.should_stop``), and the loaders yield nothing. The partition
+the fit stops cleanly after the epoch of the last partition (the fit loop's ``max_epochs`` is
+lowered to it; ``trainer.should_stop`` where no epoch is under way), and the loaders yield
+nothing. The partition
 after the one an epoch trains is waited for at that epoch's last batch (and by the validation at
 its end), before the epoch's end hooks: a checkpoint or a delta written at an epoch's end comes
 once the next partition is there or the stream has ended. A partition that
@@ -380,7 +382,7 @@ class PartitionStreamLoader(ResumableDataLoader):
             # fetch, so that the epoch after the stream's last partition is never started.
             try:
                 if self.data.partition(index + 1) is None:
-                    self.data.stop_fit()
+                    self.data.stop_fit(after=index)
             except PartitionError:
                 pass  # raised where the partition is needed, when the next epoch asks again
 
@@ -526,10 +528,24 @@ class PartitionStreamData(LightningDataModule):
             return trainer.current_epoch + (0 if trainer.sanity_checking else 1)
         return self.trained_index + 1
 
-    def stop_fit(self) -> None:
-        """Stops the Trainer's fit cleanly after the stream ended (nothing without one)."""
-        if self.trainer is not None:
-            self.trainer.should_stop = True
+    def stop_fit(self, after: int | None = None) -> None:
+        """Stops the Trainer's fit cleanly once the stream ended (nothing without a Trainer).
+
+        Args:
+            after: the epoch the fit ends after: its batches are all trained (the fit loop's
+                ``max_epochs`` is lowered to it; ``should_stop`` would end the epoch at its
+                next batch, before the batches a step has read ahead). None: now
+                (``should_stop``; the epoch has no batch to train).
+        """
+        trainer = self.trainer
+        if trainer is None:
+            return
+        if after is None:
+            trainer.should_stop = True
+            return
+        cap = trainer.fit_loop.max_epochs
+        if cap is None or cap < 0 or cap > after + 1:
+            trainer.fit_loop.max_epochs = after + 1
 
     def note_tail(self, partition: Partition, dataset: PartitionStreamDataset, stage: str) -> None:
         """Logs once per partition and stage the rows that do not fill one global batch."""
