@@ -350,3 +350,23 @@ def test_two_ranks_resumed_on_one_train_exactly_the_rows_left(tmp_path: Path) ->
     assert one.rows == [list(range(1000 + k, 1006 + k)) for k in range(16, 40, 6)] + [
         list(range(2000 + k, 2006 + k)) for k in (0, 6)
     ]
+
+
+def test_a_loop_of_ones_own_resumes_at_the_saved_partition_and_row(tmp_path: Path) -> None:
+    """Without a Trainer: save ``state_dict()`` and ``rows_done``; a new data module restored
+    from them continues partition 1 at the row it stopped, then goes on with partition 2."""
+    hours(tmp_path, [16, 40, 16])
+    data = stream(tmp_path)
+    loader = data.train_dataloader()
+    list(loader)
+    batches = iter(loader)
+    next(batches), next(batches)  # 2 batches of partition 1
+    state, rows = data.state_dict(), loader.rows_done(2)
+    assert rows == 16 and [p["name"] for p in state["partitions"]] == ["hour=T00", "hour=T01"]
+    again = stream(tmp_path)
+    again.load_state_dict(state)
+    loader = again.train_dataloader()
+    loader.set_epoch(1)
+    loader.resume_rows(rows)
+    assert [row_ids(b)[0] for b in loader] == [1016, 1024, 1032]
+    assert [row_ids(b)[0] for b in loader] == [2000, 2008]

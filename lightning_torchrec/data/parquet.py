@@ -172,7 +172,7 @@ class ParquetRows:
         Raises:
             ValueError: naming the source, column and id, for an id above ``2**63 - 1`` (uint64).
         """
-        return self._batch(self._normalise(table, source))
+        return self.batch_of(self._normalise(table, source))
 
     def _normalise(self, table: pa.Table, source: str) -> pa.Table:
         """Rows in the dataset's one schema, whatever the file's widths and nullability.
@@ -189,8 +189,15 @@ class ParquetRows:
             columns[c] = number_column(table.column(c))
         return pa.table(columns)
 
-    def _batch(self, rows: pa.Table) -> Batch:
-        """The batch of rows made by :meth:`_normalise`."""
+    def batch_of(self, rows: pa.Table) -> Batch:
+        """The batch of rows in the one schema (from :meth:`read_group`).
+
+        Args:
+            rows: the rows.
+
+        Returns:
+            The batch.
+        """
         # np.stack copies the columns into one writable [batch, dense] array ([batch, 0] for a
         # model of sparse features only: np.stack of no column fails).
         columns = [number_column(rows.column(c)).to_numpy() for c in self.dense_columns]
@@ -329,7 +336,7 @@ class ParquetClickDataset(ParquetRows, ResumableIterableDataset):
             table = self._normalise(table, where)
             pending = table if pending is None else pa.concat_tables([pending, table])
             while pending.num_rows >= self.batch_size and produced < self.batches_per_slot:
-                yield self._batch(pending.slice(0, self.batch_size))
+                yield self.batch_of(pending.slice(0, self.batch_size))
                 pending = pending.slice(self.batch_size)
                 produced += 1
 
