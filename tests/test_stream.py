@@ -25,7 +25,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_torchrec import TorchRecStrategy
-from lightning_torchrec.data import PartitionStreamData
+from lightning_torchrec.data import PartitionStreamData, PartitionStreamLoader
 from lightning_torchrec.errors import PartitionError
 from lightning_torchrec.lightning import ProgressiveEvaluation
 from tests.helpers import load_ranks, run_script
@@ -196,6 +196,12 @@ class Rows(Callback):
     def __init__(self) -> None:
         self.rows: list[list[int]] = []
         self.losses: list[torch.Tensor] = []
+        self.evaluated: list[tuple[int, int]] = []
+
+    def on_validation_batch_end(
+        self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, i: int
+    ) -> None:
+        self.evaluated.append((trainer.current_epoch, row_ids(batch)[0]))
 
     def on_train_batch_end(
         self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, i: int
@@ -259,6 +265,9 @@ def test_progressive_metrics_are_logged_per_partition(tmp_path: Path) -> None:
         num_sanity_val_steps=-1,
     )
     assert trainer.current_epoch == 3
+    # (trained epoch, first row) of each validation batch: before any training partition 0,
+    # after epoch e partition e + 1; after the last none
+    assert rows.evaluated == [(0, 0), (0, 8), (0, 16), (0, 1000), (0, 1008), (1, 2000), (1, 2008)]
     assert [(r["index"], r["partition"]) for r in progressive.history] == [
         (0, "hour=T00"),
         (1, "hour=T01"),
@@ -286,6 +295,13 @@ def test_a_mid_partition_checkpoint_resumes_bit_equal_on_the_same_partitions(
     every = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=1, save_top_k=-1)
     full = Rows()
     fit(stream(data_dir), tmp_path, [full, every], limit_val_batches=0)
+    ends, with_val = ModelCheckpoint(dirpath=tmp_path / "ends", save_top_k=-1), Rows()
+    fit(stream(data_dir), tmp_path, [with_val, ends])  # validation, a checkpoint each epoch's end
+    assert with_val.rows == full.rows and with_val.evaluated[0] == (0, 1000)
+    resumed = Rows()
+    fit(stream(data_dir), tmp_path, [resumed], ckpt_path=tmp_path / "ends/epoch=0-step=3.ckpt")
+    assert resumed.rows == full.rows[3:] and resumed.evaluated[0] == (1, 2000)
+    assert all(torch.equal(a, b) for a, b in zip(resumed.losses, full.losses[3:], strict=True))
     assert [r[0] for r in full.rows] == [0, 8, 16] + [1000 + 8 * k for k in range(5)] + [
         2000,
         2008,
@@ -370,3 +386,36 @@ def test_a_loop_of_ones_own_resumes_at_the_saved_partition_and_row(tmp_path: Pat
     loader.resume_rows(rows)
     assert [row_ids(b)[0] for b in loader] == [1016, 1024, 1032]
     assert [row_ids(b)[0] for b in loader] == [2000, 2008]
+
+
+def test_workers_read_every_nth_global_batch_in_the_same_order(tmp_path: Path) -> None:
+    """With 2 DataLoader workers on rank 1 of 2 the batches are those of the main process: the
+    rank's 4 rows of each global batch of 8, in order."""
+    hours(tmp_path, [40])
+    data = stream(tmp_path, batch_size=4)
+    dataset = data.dataset()
+    dataset.rank, dataset.world_size = 1, 2
+    plain, workers = (PartitionStreamLoader(data, dataset, "val", num_workers=n) for n in (0, 2))
+    want = [list(range(k + 4, k + 8)) for k in range(0, 40, 8)]
+    assert [row_ids(b) for b in plain] == want
+    assert [row_ids(b) for b in workers] == want
+
+
+def test_a_row_group_that_cannot_be_read_names_the_partition(tmp_path: Path) -> None:
+    """A damaged page (the footer intact) fails when its row group is read: PartitionError
+    naming the partition, the file and the row group."""
+    folder = write_partition(tmp_path, "hour=T00", 0, 64)
+    file = folder / "part-0.parquet"
+    table = pq.read_table(file)
+    pq.write_table(table, file, row_group_size=32, compression="snappy")
+    raw = bytearray(file.read_bytes())
+    meta = pq.read_metadata(file)
+    column = meta.row_group(1).column(0)
+    start = column.data_page_offset
+    raw[start + 8 : start + 40] = b"\xff" * 32
+    file.write_bytes(bytes(raw))
+    loader = stream(tmp_path).train_dataloader()
+    with pytest.raises(
+        PartitionError, match=r"partition 'hour=T00': .*part-0.parquet \(row group 1\)"
+    ):
+        list(loader)
