@@ -419,3 +419,37 @@ def test_a_row_group_that_cannot_be_read_names_the_partition(tmp_path: Path) -> 
         PartitionError, match=r"partition 'hour=T00': .*part-0.parquet \(row group 1\)"
     ):
         list(loader)
+
+
+def write_day(root: Path, day: int, rows: int) -> None:
+    """TorchRec's npy day ``day_{day}``: dense[:, 0] = (1000 day + i) / 1000, ids 100 i + f."""
+    i = np.arange(rows)
+    dense = np.zeros((rows, 13), np.float32)
+    dense[:, 0] = (1000 * day + i) / 1000.0
+    np.save(root / f"day_{day}_dense.npy", dense)
+    np.save(root / f"day_{day}_sparse.npy", (100 * i[:, None] + np.arange(26)).astype(np.int32))
+    np.save(root / f"day_{day}_labels.npy", (i % 2).astype(np.int32)[:, None])
+
+
+def test_criteo_days_are_partitions_by_day_number(tmp_path: Path) -> None:
+    """TorchRec's npy days stream by day number (day_2 before day_10); a day counts once its
+    three files exist; ids are taken modulo the table sizes, one per feature ``cat_f``."""
+    for day in (10, 2):
+        write_day(tmp_path, day, 20)
+    np.save(tmp_path / "day_11_dense.npy", np.zeros((4, 13), np.float32))  # still being written
+    data = PartitionStreamData.criteo_days(tmp_path, num_embeddings_per_feature=7, batch_size=8)
+    assert data.num_dense_features == 13
+    loader = data.train_dataloader()
+    days = [[row_ids(b) for b in loader] for _ in range(2)]
+    assert days == [
+        [list(range(2000 + k, 2008 + k)) for k in (0, 8)],
+        [list(range(10000 + k, 10008 + k)) for k in (0, 8)],
+    ]
+    assert [p.name for p in data.partitions] == ["day_2", "day_10"] and data.ended
+    batch = next(
+        iter(PartitionStreamData.criteo_days([tmp_path / "day_2"], 7, 8).train_dataloader())
+    )
+    sparse = batch.sparse_features.to_dict()
+    assert list(sparse) == [f"cat_{f}" for f in range(26)]
+    assert sparse["cat_3"].values().tolist() == [(100 * i + 3) % 7 for i in range(8)]
+    assert batch.labels.tolist() == [float(i % 2) for i in range(8)]

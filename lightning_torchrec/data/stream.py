@@ -13,9 +13,11 @@ partitions come from:
   is complete: it holds the ``ready_marker`` (``_SUCCESS``, which Spark and Hadoop write last;
   ``None`` takes any directory). A file counts when it exists: write it under a hidden name and
   rename it (an atomic rename), so that no half-written file is ever seen;
-- an ordered list of such paths: they are the partitions, in that order, and the stream ends
-  after the last. A listed partition that is absent is waited for, and refused once the wait
-  is over (:class:`~lightning_torchrec.errors.PartitionError`).
+- TorchRec's npy Criteo days (``day_{i}_{dense,sparse,labels}.npy``, the three present), by day
+  number: :meth:`PartitionStreamData.criteo_days`;
+- an ordered list of such paths (a day by its stem ``.../day_{i}``): they are the partitions, in
+  that order, and the stream ends after the last. A listed partition that is absent is waited
+  for, and refused once the wait is over (:class:`~lightning_torchrec.errors.PartitionError`).
 
 **Waiting.** When the partition an epoch needs (or the next one, for validation) is not there,
 the stream lists the source every ``poll_seconds`` for up to ``timeout_seconds``. Rank 0 lists
@@ -55,6 +57,7 @@ at each iteration; :attr:`PartitionStreamData.ended` says when the stream ended.
 from __future__ import annotations
 
 import logging
+import re
 import time
 import warnings
 from bisect import bisect_right
@@ -63,12 +66,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
+import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import get_worker_info
+from torchrec.datasets.criteo import (
+    CAT_FEATURE_COUNT,
+    DEFAULT_CAT_NAMES,
+    DEFAULT_INT_NAMES,
+    DEFAULT_LABEL_NAME,
+    INT_FEATURE_COUNT,
+)
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_torchrec.data.batch import Batch
+from lightning_torchrec.data.criteo_files import NPY_KINDS, reduce_ids, table_sizes_array
 from lightning_torchrec.data.parquet import ParquetRows, expand_paths
 from lightning_torchrec.data.parquet_columns import check_positive
 from lightning_torchrec.data.resumable import ResumableDataLoader, ResumableIterableDataset
@@ -76,6 +90,8 @@ from lightning_torchrec.errors import PartitionError
 
 __all__ = [
     "READY_MARKER",
+    "CriteoDayRows",
+    "ParquetPartitionRows",
     "Partition",
     "PartitionStreamData",
     "PartitionStreamDataset",
@@ -114,28 +130,161 @@ def _name(path: Path) -> str:
 def _ready(path: Path, ready_marker: str | None) -> bool:
     if path.is_dir():
         return ready_marker is None or (path / ready_marker).is_file()
-    return path.is_file()
+    if path.is_file():
+        return True
+    # a Criteo day: its stem, present when its three files are
+    return all(Path(f"{path}_{kind}.npy").is_file() for kind in NPY_KINDS)
 
 
-def list_partitions(source: str | Path, ready_marker: str | None = READY_MARKER) -> list[Path]:
-    """The complete partitions of a directory, ordered by name.
+def _order(name: str, criteo: bool) -> tuple[int, str]:
+    """The sort key of a partition's name: the name; a Criteo day by its number."""
+    if not criteo:
+        return (0, name)
+    number = re.findall(r"\d+", name)
+    return (int(number[-1]) if number else -1, name)
+
+
+def list_partitions(
+    source: str | Path, ready_marker: str | None = READY_MARKER, criteo: bool = False
+) -> list[Path]:
+    """The complete partitions of a directory, in order.
 
     Args:
         source: the directory.
         ready_marker: the file that marks a partition directory complete (None: any).
+        criteo: list TorchRec's npy days (``day_{i}_{dense,sparse,labels}.npy``, the three
+            present) by day number, as their stems ``source/day_{i}``; else ``*.parquet``
+            files and complete directories by name.
 
     Returns:
-        Its ``*.parquet`` files and complete directories, names starting with ``.`` or ``_``
-        left out.
+        The partitions, names starting with ``.`` or ``_`` left out.
     """
     found = []
     for child in Path(source).iterdir():
         if child.name.startswith((".", "_")):
             continue
-        if child.is_dir() or child.name.endswith(".parquet"):
+        if criteo:
+            if child.name.endswith("_dense.npy"):
+                stem = child.with_name(child.name.removesuffix("_dense.npy"))
+                if _ready(stem, ready_marker):
+                    found.append(stem)
+        elif child.is_dir() or child.name.endswith(".parquet"):
             if _ready(child, ready_marker):
                 found.append(child)
-    return sorted(found, key=_name)
+    return sorted(found, key=lambda path: _order(_name(path), criteo))
+
+
+class ParquetPartitionRows:
+    """Rows ``[low, high)`` of a partition's Parquet files as batches (one row group cached).
+
+    Args:
+        rows: the partition's files (:class:`~lightning_torchrec.data.parquet.ParquetRows`).
+        name: the partition's name, for errors.
+    """
+
+    def __init__(self, rows: ParquetRows, name: str) -> None:
+        self.rows = rows
+        self.name = name
+        self.starts = [0]
+        for *_, count in rows.row_groups:
+            self.starts.append(self.starts[-1] + count)
+        self.num_rows = self.starts[-1]
+        self.columns = rows.file_columns
+        self._opened: dict[int, Any] = {}
+        self._cache: dict[int, pa.Table] = {}
+
+    def batch(self, low: int, high: int) -> Batch:
+        """The batch of rows ``[low, high)``.
+
+        Args:
+            low: the first row.
+            high: the row after the last.
+
+        Returns:
+            The batch.
+
+        Raises:
+            PartitionError: naming the partition, file and row group, when a row group
+                cannot be read.
+        """
+        pieces = []
+        group = bisect_right(self.starts, low) - 1
+        while low < high:
+            if group not in self._cache:
+                try:
+                    table = self.rows.read_group(group, self._opened)
+                except ValueError as e:
+                    raise PartitionError(f"partition {self.name!r}: {e}") from e
+                self._cache = {group: table}  # one row group in memory
+            end = min(high, self.starts[group + 1])
+            pieces.append(self._cache[group].slice(low - self.starts[group], end - low))
+            low, group = end, group + 1
+        return self.rows.batch_of(pieces[0] if len(pieces) == 1 else pa.concat_tables(pieces))
+
+
+class CriteoDayRows:
+    """Rows ``[low, high)`` of one of TorchRec's npy days as batches, memory-mapped.
+
+    The day's files are those :mod:`lightning_torchrec.data.criteo` reads (dense ``[N, 13]``,
+    sparse ``[N, 26]``, labels ``[N, 1]``); ids are taken modulo the table sizes as the unsigned
+    values raw int64 ids hold (:func:`~lightning_torchrec.data.criteo_files.reduce_ids`). The
+    sparse features are TorchRec's ``cat_0 ... cat_25``, one id each.
+
+    Args:
+        stem: the day's stem (``.../day_{i}``).
+        num_embeddings_per_feature: the table sizes (None: the ids as stored).
+
+    Raises:
+        ValueError: naming the file, for one that is not an npy array or of another shape.
+    """
+
+    def __init__(self, stem: str, num_embeddings_per_feature: Sequence[int] | None) -> None:
+        self.arrays = {}
+        for kind, width in (("dense", INT_FEATURE_COUNT), ("sparse", CAT_FEATURE_COUNT)):
+            self.arrays[kind] = self._load(f"{stem}_{kind}.npy", width)
+        self.arrays["labels"] = self._load(f"{stem}_labels.npy", 1)
+        self.num_rows = len(self.arrays["dense"])
+        for kind, array in self.arrays.items():
+            if len(array) != self.num_rows:
+                raise ValueError(
+                    f"{stem}_{kind}.npy has {len(array)} rows, {stem}_dense.npy {self.num_rows}"
+                )
+        self.sizes = table_sizes_array(num_embeddings_per_feature)
+        self.columns = [["dense", "labels", "sparse"]]
+
+    @staticmethod
+    def _load(path: str, width: int) -> np.ndarray:
+        try:
+            array = np.load(path, mmap_mode="r")
+        except (ValueError, OSError) as e:
+            raise ValueError(f"{path}: not a readable npy file: {e}") from e
+        if array.ndim != 2 or array.shape[1] != width:
+            raise ValueError(f"{path}: shape {array.shape}, expected [rows, {width}]")
+        return array
+
+    def batch(self, low: int, high: int) -> Batch:
+        """The batch of rows ``[low, high)``.
+
+        Args:
+            low: the first row.
+            high: the row after the last.
+
+        Returns:
+            The batch.
+        """
+        ids = np.asarray(self.arrays["sparse"][low:high])
+        if self.sizes is not None:
+            ids = reduce_ids(ids, self.sizes)
+        values = np.ascontiguousarray(ids.astype(np.int64).T).reshape(-1)  # feature-major
+        return Batch(
+            dense_features=torch.from_numpy(np.array(self.arrays["dense"][low:high], np.float32)),
+            sparse_features=KeyedJaggedTensor.from_lengths_sync(
+                keys=list(DEFAULT_CAT_NAMES),
+                values=torch.from_numpy(values),
+                lengths=torch.ones(len(values), dtype=torch.int32),
+            ),
+            labels=torch.from_numpy(np.array(self.arrays["labels"][low:high, 0], np.float32)),
+        )
 
 
 class PartitionStreamDataset(ResumableIterableDataset):
@@ -153,6 +302,8 @@ class PartitionStreamDataset(ResumableIterableDataset):
         world_size: the number of ranks.
         feature_names: the KJT keys of the sparse columns (default: the column names).
         num_embeddings_per_feature: ids are taken modulo these table sizes (None: as stored).
+        criteo: the partitions are TorchRec's npy days (:class:`CriteoDayRows`; the columns
+            are then unused).
     """
 
     def __init__(
@@ -166,6 +317,7 @@ class PartitionStreamDataset(ResumableIterableDataset):
         world_size: int = 1,
         feature_names: Sequence[str] | None = None,
         num_embeddings_per_feature: Sequence[int] | None = None,
+        criteo: bool = False,
     ) -> None:
         check_positive("batch_size", batch_size)
         self.columns = {
@@ -181,6 +333,7 @@ class PartitionStreamDataset(ResumableIterableDataset):
         self.batch_size = batch_size
         self.rank = rank
         self.world_size = world_size
+        self.criteo = criteo
         self.partition: Partition | None = None
         self.start_row = 0
 
@@ -192,8 +345,8 @@ class PartitionStreamDataset(ResumableIterableDataset):
         """
         return {"world_size": self.world_size, "batch_size": self.batch_size}
 
-    def rows(self, partition: Partition) -> ParquetRows:
-        """The reader of a partition's files.
+    def rows(self, partition: Partition) -> ParquetPartitionRows | CriteoDayRows:
+        """The reader of a partition.
 
         Args:
             partition: the partition.
@@ -203,10 +356,15 @@ class PartitionStreamDataset(ResumableIterableDataset):
 
         Raises:
             PartitionError: naming the partition, for a file that is not Parquet (or is
-                truncated), a missing column or one of the wrong type.
+                truncated), a missing column or one of the wrong type; for a Criteo day, a file
+                that is not an npy array of the day's shape.
         """
         try:
-            return ParquetRows(list(partition.files), **self.columns)
+            if self.criteo:
+                return CriteoDayRows(partition.path, self.columns["num_embeddings_per_feature"])
+            return ParquetPartitionRows(
+                ParquetRows(list(partition.files), **self.columns), partition.name
+            )
         except (ValueError, OSError) as e:
             raise PartitionError(f"partition {partition.name!r} ({partition.path}): {e}") from e
 
@@ -218,29 +376,9 @@ class PartitionStreamDataset(ResumableIterableDataset):
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
         reader = self.rows(partition)
         step = self.world_size * self.batch_size
-        starts = [0]
-        for *_, rows in reader.row_groups:
-            starts.append(starts[-1] + rows)
-        count = (starts[-1] - self.start_row) // step
-        opened: dict[int, Any] = {}
-        cache: dict[int, pa.Table] = {}
-        for j in range(worker, count, workers):
+        for j in range(worker, (reader.num_rows - self.start_row) // step, workers):
             low = self.start_row + j * step + self.rank * self.batch_size
-            high = low + self.batch_size
-            pieces = []
-            group = bisect_right(starts, low) - 1
-            while low < high:
-                if group not in cache:
-                    try:
-                        table = reader.read_group(group, opened)
-                    except ValueError as e:
-                        raise PartitionError(f"partition {partition.name!r}: {e}") from e
-                    cache = {group: table}  # one row group in memory (and the batch's rows)
-                end = min(high, starts[group + 1])
-                pieces.append(cache[group].slice(low - starts[group], end - low))
-                low, group = end, group + 1
-            rows = pieces[0] if len(pieces) == 1 else pa.concat_tables(pieces)
-            yield reader.batch_of(rows)
+            yield reader.batch(low, low + self.batch_size)
 
 
 class PartitionStreamLoader(ResumableDataLoader):
@@ -407,6 +545,7 @@ class PartitionStreamData(LightningDataModule):
         poll_seconds: seconds between two listings while waiting for a partition.
         timeout_seconds: how long to wait for the next partition before the stream ends (0:
             train what is there, then end).
+        criteo: the partitions are TorchRec's npy days (see :meth:`criteo_days`).
 
     Raises:
         ValueError: for a batch size below 1, a negative wait, or a source directory that
@@ -427,6 +566,7 @@ class PartitionStreamData(LightningDataModule):
         ready_marker: str | None = READY_MARKER,
         poll_seconds: float = 10.0,
         timeout_seconds: float = 0.0,
+        criteo: bool = False,
     ) -> None:
         super().__init__()
         check_positive("batch_size", batch_size)
@@ -451,6 +591,7 @@ class PartitionStreamData(LightningDataModule):
         self.num_embeddings_per_feature = num_embeddings_per_feature
         self.num_dense_features = len(self.dense_columns)
         self.ready_marker = ready_marker
+        self.criteo = criteo
         self.poll_seconds = float(poll_seconds)
         self.timeout_seconds = float(timeout_seconds)
         #: The partitions taken so far, by index (epoch).
@@ -465,6 +606,48 @@ class PartitionStreamData(LightningDataModule):
         self._first_columns: list[str] | None = None
         self._skipped: set[str] = set()
         self._tails: set[tuple[str, str]] = set()
+
+    @classmethod
+    def criteo_days(
+        cls,
+        source: str | Path | Sequence[str | Path],
+        num_embeddings_per_feature: Sequence[int] | int | None = None,
+        batch_size: int = 512,
+        num_workers: int = 0,
+        poll_seconds: float = 10.0,
+        timeout_seconds: float = 0.0,
+    ) -> PartitionStreamData:
+        """A stream of TorchRec's npy Criteo days, one a partition, by day number.
+
+        A day ``day_{i}`` (``day_{i}_{dense,sparse,labels}.npy``, written by
+        ``python -m lightning_torchrec.criteo preprocess``) counts once its three files exist:
+        write them under other names and rename them, labels last.
+
+        Args:
+            source: a directory of days, or an ordered list of day stems (``.../day_3``).
+            num_embeddings_per_feature: 26 table sizes, or one for all (None: ids as stored).
+            batch_size: samples per batch on each rank.
+            num_workers: DataLoader workers per rank.
+            poll_seconds: seconds between two listings while waiting for a day.
+            timeout_seconds: how long to wait for the next day before the stream ends.
+
+        Returns:
+            The data module (``num_dense_features`` 13, features ``cat_0 ... cat_25``).
+        """
+        sizes = table_sizes_array(num_embeddings_per_feature)
+        return cls(
+            source,
+            list(DEFAULT_INT_NAMES),
+            list(DEFAULT_CAT_NAMES),
+            DEFAULT_LABEL_NAME,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            num_embeddings_per_feature=None if sizes is None else sizes.tolist(),
+            ready_marker=None,
+            poll_seconds=poll_seconds,
+            timeout_seconds=timeout_seconds,
+            criteo=True,
+        )
 
     # ------------------------------------------------------------------ loaders
     def rank_and_world(self) -> tuple[int, int]:
@@ -496,6 +679,7 @@ class PartitionStreamData(LightningDataModule):
             world_size=world,
             feature_names=self.feature_names,
             num_embeddings_per_feature=self.num_embeddings_per_feature,
+            criteo=self.criteo,
         )
 
     def train_dataloader(self) -> PartitionStreamLoader:
@@ -643,11 +827,11 @@ class PartitionStreamData(LightningDataModule):
             return (_name(path), path) if _ready(path, self.ready_marker) else None
         last = self.partitions[-1].name if self.partitions else None
         taken = {p.name for p in self.partitions}
-        for path in list_partitions(self.source, self.ready_marker):
+        for path in list_partitions(self.source, self.ready_marker, self.criteo):
             name = _name(path)
             if name in taken:
                 continue
-            if last is not None and name < last:
+            if last is not None and _order(name, self.criteo) < _order(last, self.criteo):
                 if name not in self._skipped:
                     self._skipped.add(name)
                     warnings.warn(
@@ -677,7 +861,7 @@ class PartitionStreamData(LightningDataModule):
         """Rank 0: a partition's files, checked (readable, columns as the first partition's)."""
         where = f"partition {name!r} ({path})"
         try:
-            files = [str(f) for f in expand_paths(str(path))]
+            files = [str(path)] if self.criteo else [str(f) for f in expand_paths(str(path))]
         except FileNotFoundError:
             return {"error": f"{where} holds no Parquet file"}
         dataset = self.dataset()
@@ -685,8 +869,8 @@ class PartitionStreamData(LightningDataModule):
             reader = dataset.rows(Partition(len(self.partitions), name, str(path), tuple(files)))
         except PartitionError as e:
             return {"error": str(e)}
-        columns = sorted(reader.file_columns[0])
-        for file, found in zip(files, reader.file_columns, strict=True):
+        columns = sorted(reader.columns[0])
+        for file, found in zip(files, reader.columns, strict=True):
             want = self._first_columns or columns
             if sorted(found) != want:
                 extra, missing = sorted(set(found) - set(want)), sorted(set(want) - set(found))
