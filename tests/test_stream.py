@@ -23,6 +23,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_torchrec import TorchRecStrategy
 from lightning_torchrec.data import PartitionStreamData, PartitionStreamLoader
@@ -215,13 +217,14 @@ def fit(
     root: Path,
     callbacks: list[Callback],
     ckpt_path: Path | None = None,
+    pipeline: str | None = None,
     **kwargs: Any,
 ) -> L.Trainer:
     L.seed_everything(3)
     model = tiny_dlrm(ROWS, 2, num_dense_features=1)
     kwargs.setdefault("max_epochs", -1)
     trainer = cpu_trainer(
-        TorchRecStrategy(constraints=table_wise(2), log_plan=False),
+        TorchRecStrategy(constraints=table_wise(2), log_plan=False, pipeline=pipeline),  # type: ignore[arg-type]
         callbacks=callbacks,
         default_root_dir=root,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
@@ -261,7 +264,7 @@ def test_progressive_metrics_are_logged_per_partition(tmp_path: Path) -> None:
         stream(tmp_path / "data"),
         tmp_path,
         [progressive, rows],
-        logger=capture,
+        logger=[capture, TensorBoardLogger(tmp_path, name="tb")],
         num_sanity_val_steps=-1,
     )
     assert trainer.current_epoch == 3
@@ -278,6 +281,14 @@ def test_progressive_metrics_are_logged_per_partition(tmp_path: Path) -> None:
         logged = capture.metrics[record["index"]]
         for name in ("ne", "calibration", "auroc"):
             assert logged[f"online/{name}"] == pytest.approx(record[name])
+    events = EventAccumulator(str(next((tmp_path / "tb").rglob("events.out.*")).parent))
+    events.Reload()
+    assert [e.step for e in events.Scalars("online/ne")] == [0, 1, 2]  # one curve
+    names = [
+        t.tensor_proto.string_val[0].decode()
+        for t in events.Tensors("online/partition/text_summary")
+    ]
+    assert names == ["hour=T00", "hour=T01", "hour=T02"]
     # partition 1 was evaluated after training on partition 0 only: its NE differs from the
     # untrained model's on partition 0
     assert progressive.history[0]["ne"] != progressive.history[1]["ne"]
@@ -307,6 +318,12 @@ def test_a_mid_partition_checkpoint_resumes_bit_equal_on_the_same_partitions(
         2008,
         2016,
     ]
+    piped = Rows()  # a train pipeline reads ahead of the step: the position is the step's
+    (path,) = (tmp_path / "ckpts").glob("*step=4.ckpt")
+    fit(stream(data_dir), tmp_path, [piped], path, "sparse_dist", limit_val_batches=0)
+    assert piped.rows == full.rows[4:] and len(piped.losses) == len(full.losses) - 4
+    for got, want in zip(piped.losses, full.losses[4:], strict=True):
+        assert torch.equal(got, want)
     for step in (3, 4, 9):
         if step == 9:  # hour=T02 was taken before this checkpoint; hour=T01a sorts before it
             write_partition(data_dir, "hour=T01a", 9, 16)
