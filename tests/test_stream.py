@@ -289,6 +289,11 @@ def test_progressive_metrics_are_logged_per_partition(tmp_path: Path) -> None:
         for t in events.Tensors("online/partition/text_summary")
     ]
     assert names == ["hour=T00", "hour=T01", "hour=T02"]
+    # trainer.validate after the fit: the first partition not trained (none here: nothing)
+    rows.evaluated.clear()
+    hours(tmp_path / "data", [24, 16, 16, 8])  # a fourth partition appeared
+    trainer.validate(trainer.lightning_module, datamodule=trainer.datamodule, verbose=False)
+    assert rows.evaluated == [(3, 3000)]
     # partition 1 was evaluated after training on partition 0 only: its NE differs from the
     # untrained model's on partition 0
     assert progressive.history[0]["ne"] != progressive.history[1]["ne"]

@@ -71,6 +71,7 @@ import pyarrow as pa
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import get_worker_info
 from torchrec.datasets.criteo import (
     CAT_FEATURE_COUNT,
@@ -662,6 +663,14 @@ class PartitionStreamData(LightningDataModule):
             return dist.get_rank(), dist.get_world_size()
         return 0, 1
 
+    def setup(self, stage: str) -> None:
+        """Opens the stream again for each ``fit`` or ``validate`` (new partitions may be there).
+
+        Args:
+            stage: Lightning's stage.
+        """
+        self.ended = None
+
     def dataset(self) -> PartitionStreamDataset:
         """The dataset on this rank (its loader sets the partition of each iteration).
 
@@ -695,7 +704,7 @@ class PartitionStreamData(LightningDataModule):
 
         Training: the Trainer's epoch (without a Trainer: the loader's :meth:`set_epoch`, else
         the one after the last trained). Validation: the one after the epoch being trained
-        (the sanity check before training: that epoch's own).
+        (the sanity check before training, and ``trainer.validate``: the first not trained).
 
         Args:
             loader: the loader.
@@ -710,7 +719,10 @@ class PartitionStreamData(LightningDataModule):
                 return index
             return trainer.current_epoch if trainer is not None else self.trained_index + 1
         if trainer is not None:
-            return trainer.current_epoch + (0 if trainer.sanity_checking else 1)
+            # Within a fit: the partition after the epoch's (the sanity check: the epoch's own).
+            # trainer.validate(): the first partition not trained (current_epoch counts those).
+            fitting = trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking
+            return trainer.current_epoch + (1 if fitting else 0)
         return self.trained_index + 1
 
     def stop_fit(self, after: int | None = None) -> None:
