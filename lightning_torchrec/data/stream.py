@@ -71,7 +71,6 @@ import pyarrow as pa
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import get_worker_info
 from torchrec.datasets.criteo import (
     CAT_FEATURE_COUNT,
@@ -721,7 +720,7 @@ class PartitionStreamData(LightningDataModule):
         if trainer is not None:
             # Within a fit: the partition after the epoch's (the sanity check: the epoch's own).
             # trainer.validate(): the first partition not trained (current_epoch counts those).
-            fitting = trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking
+            fitting = trainer.state.fn == "fit" and not trainer.sanity_checking  # TrainerFn.FITTING
             return trainer.current_epoch + (1 if fitting else 0)
         return self.trained_index + 1
 
