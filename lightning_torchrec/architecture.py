@@ -75,7 +75,8 @@ LAYERS: tuple[Layer, ...] = (
     ),
     Layer(
         "data",
-        "batches, datasets and data modules (synthetic, Criteo, Parquet) that resume mid-epoch",
+        "batches, datasets and data modules (synthetic, Criteo, Parquet) that resume mid-epoch; "
+        "a stream of time partitions, one an epoch",
         ("errors",),
         trainer=True,
     ),
@@ -116,8 +117,8 @@ LAYERS: tuple[Layer, ...] = (
         "lightning",
         "the Trainer glue: ``TorchRecStrategy`` (one class) with its setup checks, checkpoint "
         "save and load, the step vote's callback; "
-        "``TorchRecModule``, ``DLRMClickModule``; the norm, managed-collision and preemption "
-        "callbacks",
+        "``TorchRecModule``, ``DLRMClickModule``; the norm, managed-collision, preemption and "
+        "progressive-evaluation callbacks",
         (*_BASE, "data", "models", "sharding", "training", "checkpoint"),
         trainer=True,
     ),

@@ -40,7 +40,7 @@ from lightning_torchrec.data.resumable import (
     worker_slot,
 )
 
-__all__ = ["ParquetClickData", "ParquetClickDataset", "expand_paths"]
+__all__ = ["ParquetClickData", "ParquetClickDataset", "ParquetRows", "expand_paths"]
 
 
 def expand_paths(paths: str | Sequence[str]) -> list[Path]:
@@ -74,7 +74,178 @@ def expand_paths(paths: str | Sequence[str]) -> list[Path]:
     return files
 
 
-class ParquetClickDataset(ResumableIterableDataset):
+class ParquetRows:
+    """The rows of Parquet files as batches: their columns checked, their row groups listed.
+
+    What :class:`ParquetClickDataset` and the partitions of a stream
+    (:mod:`lightning_torchrec.data.stream`) share: the files' columns are checked against their
+    roles when it is built, :attr:`row_groups` lists ``(file, row group, rows)`` in order,
+    :meth:`read_group` reads one row group in the one schema (numbers float32, ids int64 modulo
+    the table sizes) and :meth:`to_batch` turns rows into a :class:`Batch`. How row groups are
+    dealt to readers is the user's.
+
+    Args:
+        paths: Parquet files, directories or glob patterns.
+        dense_columns: numeric columns, in order, forming ``dense_features``.
+        sparse_columns: id columns (lists of integers, or integers), one sparse feature each.
+        label_column: the 0/1 label column.
+        weight_column: a sample-weight column, or None.
+        feature_names: the KJT keys of the sparse columns (default: the column names).
+        num_embeddings_per_feature: ids are taken modulo these table sizes (None: as stored).
+
+    Raises:
+        ValueError: naming the file and column, for a missing column or one of the wrong type,
+            naming the file for one that is not Parquet (or is truncated), or for a table size
+            below 1.
+    """
+
+    def __init__(
+        self,
+        paths: str | Sequence[str],
+        dense_columns: Sequence[str],
+        sparse_columns: Sequence[str],
+        label_column: str,
+        weight_column: str | None = None,
+        feature_names: Sequence[str] | None = None,
+        num_embeddings_per_feature: Sequence[int] | None = None,
+    ) -> None:
+        self.files = expand_paths(paths)
+        self.dense_columns = list(dense_columns)
+        self.sparse_columns = list(sparse_columns)
+        self.label_column = label_column
+        self.weight_column = weight_column
+        self.feature_names = list(feature_names or sparse_columns)
+        if len(self.feature_names) != len(self.sparse_columns):
+            raise ValueError("feature_names needs one name per sparse column")
+        self.hashes = (
+            None if num_embeddings_per_feature is None else list(num_embeddings_per_feature)
+        )
+        if self.hashes is not None and len(self.hashes) != len(self.sparse_columns):
+            raise ValueError("num_embeddings_per_feature needs one size per sparse column")
+        if self.hashes is not None:
+            check_positive("num_embeddings_per_feature", self.hashes)
+        self.row_groups: list[tuple[int, int, int]] = []  # (file, row group, rows)
+        #: Every file's column names, in the order of the files.
+        self.file_columns: list[list[str]] = []
+        # A sparse column is read as bags (jagged) if any file holds it as lists.
+        self.bags = [False] * len(self.sparse_columns)
+        for i, path in enumerate(self.files):
+            try:
+                meta = pq.read_metadata(path)
+            except (pa.ArrowException, OSError) as e:  # pyarrow's messages name no file
+                raise ValueError(f"{path}: not a readable Parquet file: {e}") from e
+            schema = meta.schema.to_arrow_schema()
+            check_schema(
+                path, schema, self.dense_columns, self.sparse_columns, label_column, weight_column
+            )
+            self.file_columns.append(list(schema.names))
+            for f, column in enumerate(self.sparse_columns):
+                self.bags[f] |= is_bag(schema.field(column).type)
+            self.row_groups += [
+                (i, g, meta.row_group(g).num_rows) for g in range(meta.num_row_groups)
+            ]
+
+    @property
+    def num_rows(self) -> int:
+        """The rows of all files."""
+        return sum(rows for *_, rows in self.row_groups)
+
+    def columns(self) -> list[str]:
+        """The columns read.
+
+        Returns:
+            Dense, sparse, label and weight columns.
+        """
+        extra = [self.weight_column] if self.weight_column else []
+        return self.dense_columns + self.sparse_columns + [self.label_column] + extra
+
+    def to_batch(self, table: pa.Table, source: str = "table") -> Batch:
+        """Converts rows (a table with :meth:`columns`) to a batch.
+
+        Args:
+            table: the rows.
+            source: where the rows come from, for errors.
+
+        Returns:
+            The batch.
+
+        Raises:
+            ValueError: naming the source, column and id, for an id above ``2**63 - 1`` (uint64).
+        """
+        return self.batch_of(self._normalise(table, source))
+
+    def _normalise(self, table: pa.Table, source: str) -> pa.Table:
+        """Rows in the dataset's one schema, whatever the file's widths and nullability.
+
+        Numbers become float32 (null is 0), ids int64 modulo the table sizes (null lists are
+        empty bags, null ids 0): row groups of differently typed files concatenate.
+        """
+        columns = {c: number_column(table.column(c)) for c in self.dense_columns}
+        for f, c in enumerate(self.sparse_columns):
+            size = None if self.hashes is None else self.hashes[f]
+            where = f"{source}: sparse column {c!r}"
+            columns[c] = id_column(table.column(c), size, where, self.bags[f])
+        for c in [self.label_column] + ([self.weight_column] if self.weight_column else []):
+            columns[c] = number_column(table.column(c))
+        return pa.table(columns)
+
+    def batch_of(self, rows: pa.Table) -> Batch:
+        """The batch of rows in the one schema (from :meth:`read_group`).
+
+        Args:
+            rows: the rows.
+
+        Returns:
+            The batch.
+        """
+        # np.stack copies the columns into one writable [batch, dense] array ([batch, 0] for a
+        # model of sparse features only: np.stack of no column fails).
+        columns = [number_column(rows.column(c)).to_numpy() for c in self.dense_columns]
+        dense = np.stack(columns, 1) if columns else np.zeros((rows.num_rows, 0), np.float32)
+        ids = [bag_values(rows.column(c)) for c in self.sparse_columns]
+        weights = number_tensor(rows.column(self.weight_column)) if self.weight_column else None
+        return Batch(
+            dense_features=torch.from_numpy(dense),
+            sparse_features=KeyedJaggedTensor.from_lengths_sync(
+                keys=self.feature_names,
+                values=torch.from_numpy(np.concatenate([v for v, _ in ids])),
+                lengths=torch.from_numpy(np.concatenate([n for _, n in ids])),
+            ),
+            labels=number_tensor(rows.column(self.label_column)),
+            weights=weights,
+        )
+
+    def read_group(self, index: int, opened: dict[int, Any] | None = None) -> pa.Table:
+        """One row group of :attr:`row_groups`, in the one schema (see :meth:`to_batch`).
+
+        Args:
+            index: the row group's place in :attr:`row_groups`.
+            opened: a cache of the last file opened, kept by the caller across calls.
+
+        Returns:
+            Its rows, normalised.
+
+        Raises:
+            ValueError: naming the file and row group, when it cannot be read (a corrupt page)
+                or holds an id above ``2**63 - 1`` without table sizes.
+        """
+        table, where = self._read_raw(index, {} if opened is None else opened)
+        return self._normalise(table, where)
+
+    def _read_raw(self, index: int, opened: dict[int, Any]) -> tuple[pa.Table, str]:
+        """A row group's columns as stored, and its name for errors."""
+        file_index, group, _ = self.row_groups[index]
+        where = f"{self.files[file_index]} (row group {group})"
+        try:
+            if file_index not in opened:
+                opened.clear()
+                opened[file_index] = pq.ParquetFile(self.files[file_index])
+            return opened[file_index].read_row_group(group, columns=self.columns()), where
+        except (pa.ArrowException, OSError) as e:  # a corrupt page: name the row group
+            raise ValueError(f"{where}: cannot be read: {e}") from e
+
+
+class ParquetClickDataset(ParquetRows, ResumableIterableDataset):
     """Batches of click samples streamed from Parquet row groups (see the module docstring).
 
     Args:
@@ -111,43 +282,21 @@ class ParquetClickDataset(ResumableIterableDataset):
         feature_names: Sequence[str] | None = None,
         num_embeddings_per_feature: Sequence[int] | None = None,
     ) -> None:
-        self.files = expand_paths(paths)
-        self.dense_columns = list(dense_columns)
-        self.sparse_columns = list(sparse_columns)
-        self.label_column = label_column
-        self.weight_column = weight_column
-        self.feature_names = list(feature_names or sparse_columns)
-        if len(self.feature_names) != len(self.sparse_columns):
-            raise ValueError("feature_names needs one name per sparse column")
-        self.hashes = (
-            None if num_embeddings_per_feature is None else list(num_embeddings_per_feature)
+        ParquetRows.__init__(
+            self,
+            paths,
+            dense_columns,
+            sparse_columns,
+            label_column,
+            weight_column,
+            feature_names,
+            num_embeddings_per_feature,
         )
-        if self.hashes is not None and len(self.hashes) != len(self.sparse_columns):
-            raise ValueError("num_embeddings_per_feature needs one size per sparse column")
-        if self.hashes is not None:
-            check_positive("num_embeddings_per_feature", self.hashes)
         check_positive("batch_size", batch_size)
         self.batch_size = batch_size
         self.rank = rank
         self.world_size = world_size
         self.num_slots = max(num_workers, 1)
-        self.row_groups: list[tuple[int, int, int]] = []  # (file, row group, rows)
-        # A sparse column is read as bags (jagged) if any file holds it as lists.
-        self.bags = [False] * len(self.sparse_columns)
-        for i, path in enumerate(self.files):
-            try:
-                meta = pq.read_metadata(path)
-            except (pa.ArrowException, OSError) as e:  # pyarrow's messages name no file
-                raise ValueError(f"{path}: not a readable Parquet file: {e}") from e
-            schema = meta.schema.to_arrow_schema()
-            check_schema(
-                path, schema, self.dense_columns, self.sparse_columns, label_column, weight_column
-            )
-            for f, column in enumerate(self.sparse_columns):
-                self.bags[f] |= is_bag(schema.field(column).type)
-            self.row_groups += [
-                (i, g, meta.row_group(g).num_rows) for g in range(meta.num_row_groups)
-            ]
         readers = world_size * self.num_slots
         rows = [sum(r for *_, r in self.row_groups[s::readers]) for s in range(readers)]
         self.batches_per_slot = min(rows) // batch_size
@@ -161,64 +310,6 @@ class ParquetClickDataset(ResumableIterableDataset):
     def __len__(self) -> int:
         return self.batches_per_slot * self.num_slots
 
-    def columns(self) -> list[str]:
-        """The columns read.
-
-        Returns:
-            Dense, sparse, label and weight columns.
-        """
-        extra = [self.weight_column] if self.weight_column else []
-        return self.dense_columns + self.sparse_columns + [self.label_column] + extra
-
-    def to_batch(self, table: pa.Table, source: str = "table") -> Batch:
-        """Converts rows (a table with :meth:`columns`) to a batch.
-
-        Args:
-            table: the rows.
-            source: where the rows come from, for errors.
-
-        Returns:
-            The batch.
-
-        Raises:
-            ValueError: naming the source, column and id, for an id above ``2**63 - 1`` (uint64).
-        """
-        return self._batch(self._normalise(table, source))
-
-    def _normalise(self, table: pa.Table, source: str) -> pa.Table:
-        """Rows in the dataset's one schema, whatever the file's widths and nullability.
-
-        Numbers become float32 (null is 0), ids int64 modulo the table sizes (null lists are
-        empty bags, null ids 0): row groups of differently typed files concatenate.
-        """
-        columns = {c: number_column(table.column(c)) for c in self.dense_columns}
-        for f, c in enumerate(self.sparse_columns):
-            size = None if self.hashes is None else self.hashes[f]
-            where = f"{source}: sparse column {c!r}"
-            columns[c] = id_column(table.column(c), size, where, self.bags[f])
-        for c in [self.label_column] + ([self.weight_column] if self.weight_column else []):
-            columns[c] = number_column(table.column(c))
-        return pa.table(columns)
-
-    def _batch(self, rows: pa.Table) -> Batch:
-        """The batch of rows made by :meth:`_normalise`."""
-        # np.stack copies the columns into one writable [batch, dense] array ([batch, 0] for a
-        # model of sparse features only: np.stack of no column fails).
-        columns = [number_column(rows.column(c)).to_numpy() for c in self.dense_columns]
-        dense = np.stack(columns, 1) if columns else np.zeros((rows.num_rows, 0), np.float32)
-        ids = [bag_values(rows.column(c)) for c in self.sparse_columns]
-        weights = number_tensor(rows.column(self.weight_column)) if self.weight_column else None
-        return Batch(
-            dense_features=torch.from_numpy(dense),
-            sparse_features=KeyedJaggedTensor.from_lengths_sync(
-                keys=self.feature_names,
-                values=torch.from_numpy(np.concatenate([v for v, _ in ids])),
-                lengths=torch.from_numpy(np.concatenate([n for _, n in ids])),
-            ),
-            labels=number_tensor(rows.column(self.label_column)),
-            weights=weights,
-        )
-
     def __iter__(self) -> Iterator[Batch]:
         slot, num_slots, skip = worker_slot(self.start_batch)
         if num_slots != self.num_slots:
@@ -227,32 +318,25 @@ class ParquetClickDataset(ResumableIterableDataset):
                 "pass the DataLoader's num_workers to the dataset"
             )
         reader = self.rank * num_slots + slot
-        groups = self.row_groups[reader :: self.world_size * num_slots]
         to_skip = skip * self.batch_size  # rows already trained on
         produced = skip
         pending: pa.Table | None = None
-        opened: dict[int, pq.ParquetFile] = {}
-        for file_index, group, rows in groups:
+        opened: dict[int, Any] = {}
+        for index in range(reader, len(self.row_groups), self.world_size * num_slots):
+            rows = self.row_groups[index][2]
             if produced >= self.batches_per_slot:
                 break
             if to_skip >= rows:  # never read a row group the resumed run skips whole
                 to_skip -= rows
                 continue
-            try:
-                if file_index not in opened:
-                    opened.clear()
-                    opened[file_index] = pq.ParquetFile(self.files[file_index])
-                table = opened[file_index].read_row_group(group, columns=self.columns())
-            except (pa.ArrowException, OSError) as e:  # a corrupt page: name the row group
-                where = f"{self.files[file_index]} (row group {group})"
-                raise ValueError(f"{where}: cannot be read: {e}") from e
+            table, where = self._read_raw(index, opened)
             if to_skip:
                 table, to_skip = table.slice(to_skip), 0
             # One schema for every file's rows: a batch may span two files.
-            table = self._normalise(table, f"{self.files[file_index]} (row group {group})")
+            table = self._normalise(table, where)
             pending = table if pending is None else pa.concat_tables([pending, table])
             while pending.num_rows >= self.batch_size and produced < self.batches_per_slot:
-                yield self._batch(pending.slice(0, self.batch_size))
+                yield self.batch_of(pending.slice(0, self.batch_size))
                 pending = pending.slice(self.batch_size)
                 produced += 1
 

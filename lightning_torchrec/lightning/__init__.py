@@ -9,6 +9,7 @@ from lightning_torchrec.lightning.mc_callbacks import ManagedCollisionStatsCallb
 from lightning_torchrec.lightning.module import TorchRecModule
 from lightning_torchrec.lightning.norm_callbacks import EmbeddingNormCallback, WeightNormCallback
 from lightning_torchrec.lightning.preemption import PreemptionCheckpoint, SLURMRequeue
+from lightning_torchrec.lightning.progressive import ProgressiveEvaluation
 from lightning_torchrec.lightning.strategy import TorchRecStrategy
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "EmbeddingNormCallback",
     "ManagedCollisionStatsCallback",
     "PreemptionCheckpoint",
+    "ProgressiveEvaluation",
     "SLURMRequeue",
     "TorchRecModule",
     "TorchRecStrategy",

@@ -8,6 +8,11 @@ and readers per rank) and the epoch's length. On resume, before the resumed epoc
 exists, :func:`resume_in_epoch` decides what to skip (:func:`rescale`: one rule for another world
 or batch size, one warning) and hands it to the training loader:
 
+- a loader whose batches split one global order of rows (``k`` batches of ``B`` rows on ``W``
+  ranks are exactly the order's first ``k * W * B`` rows: the stream's
+  :class:`~lightning_torchrec.data.stream.PartitionStreamLoader`) has the hooks
+  ``rows_done(batches) -> int`` and ``resume_rows(rows) -> int``: the position saves the rows
+  trained, and the resume starts at that row under any world or batch size, exactly;
 - a loader with the resume hook ``resume_at(batches: int) -> None`` (the package's
   :class:`~lightning_torchrec.data.resumable.ResumableDataLoader`, or one's own) is called with it;
 - a map-style ``DataLoader``'s index sampler leaves out those batches without loading them
@@ -43,8 +48,9 @@ log = logging.getLogger(__name__)
 
 #: The checkpoint entry: ``{"epoch": e, "batches": k, "world_size": W}``, ``k`` batches of epoch
 #: ``e`` trained on each of ``W`` ranks (0 when the epoch was complete), and when the training
-#: loader tells them ``"layout"`` (``{"batch_size": B, ...}``, see :func:`loader_layout`) and
-#: ``"epoch_batches"`` (its length).
+#: loader tells them ``"layout"`` (``{"batch_size": B, ...}``, see :func:`loader_layout`),
+#: ``"epoch_batches"`` (its length) and ``"rows"`` (the rows of the epoch's one global order
+#: trained on: a loader with ``rows_done``).
 POSITION_KEY = "lightning_torchrec_epoch_position"
 
 #: What the resumable loaders of older versions saved through Lightning's ``state_dict`` protocol.
@@ -142,10 +148,12 @@ def epoch_position(trainer: Any) -> dict[str, Any] | None:
     if loader is None or isinstance(loader, (list, tuple, dict)):
         return position  # several loaders: the world size only
     layout, length = loader_layout(loader), _epoch_batches(loader)
+    rows_done = getattr(loader, "rows_done", None)
     return (
         position
         | ({"layout": layout} if layout else {})
         | ({"epoch_batches": length} if length is not None else {})
+        | ({"rows": int(rows_done(batches))} if cut and callable(rows_done) else {})
     )
 
 
@@ -202,6 +210,9 @@ def saved_position(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
         out["world_size"] = world
     if type(length) is int and length >= 0:
         out["epoch_batches"] = length
+    rows = position.get("rows")
+    if type(rows) is int and rows >= 0:
+        out["rows"] = rows
     layout = _well_formed_layout(position.get("layout"))
     return out | ({"layout": layout} if layout else {})
 
@@ -351,6 +362,27 @@ def has_state_protocol(loader: Any) -> bool:
     )
 
 
+def rows_trained(position: dict[str, Any]) -> int | None:
+    """The rows of the epoch's one global order a position trained on.
+
+    For a loader whose batches split one global order of rows (``resume_rows``): ``k`` batches
+    of ``B`` rows on ``W`` ranks are its first ``k * W * B`` rows. The saved ``rows`` when the
+    loader told them (a run resumed off a batch boundary of its own layout), else that product.
+
+    Args:
+        position: from :func:`take_position` (after :func:`reopen`).
+
+    Returns:
+        The rows, or None without a batch size or world size in the position.
+    """
+    if "rows" in position:
+        return int(position["rows"])
+    size, world = position.get("layout", {}).get("batch_size"), position.get("world_size")
+    if size is None or world is None:
+        return None
+    return int(position["batches"]) * int(world) * int(size)
+
+
 def resume_in_epoch(loader: Any, position: dict[str, Any], trainer: Any, warn: bool) -> bool:
     """Makes a training loader skip what the resumed checkpoint already trained on.
 
@@ -370,6 +402,14 @@ def resume_in_epoch(loader: Any, position: dict[str, Any], trainer: Any, warn: b
         return False  # saved at an epoch's end: the next epoch starts whole
     if has_state_protocol(loader):
         return False  # Lightning restores its own position
+    rows = rows_trained(position)
+    resume_rows = getattr(loader, "resume_rows", None)
+    if callable(resume_rows) and rows is not None:  # one global order: exact under any layout
+        count = int(resume_rows(rows))
+        log.info("resuming epoch %d after its first %d rows", position["epoch"], rows)
+        if count != position["batches"]:
+            restart_epoch_at(trainer, count)  # the loop counts what the loader skips
+        return True
     here = rescale(position, trainer.world_size, loader_layout(loader))
     assert here is not None
     count = here["batches"]
