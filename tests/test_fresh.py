@@ -11,9 +11,11 @@ the full export of the same step: bit for bit.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import shutil
+import sys
 import threading
 import uuid
 from collections.abc import Callable
@@ -477,3 +479,18 @@ def test_apply_pending_catches_up_in_order(exports: dict, chain: dict[str, Any])
 
 def test_the_error_is_the_packages_when_importable() -> None:
     assert fresh.DeltaRefusedError is DeltaRefusedError
+
+
+def test_fresh_imports_only_the_standard_library_torch_and_torchrec() -> None:
+    """What a serving process without the package can load (the bare test runs it, too)."""
+    tree = ast.parse(Path(fresh.__file__).read_text())
+    top = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            top.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            if node.module == "lightning_torchrec.errors":  # in a try: its own class otherwise
+                assert [a.name for a in node.names] == ["DeltaRefusedError"]
+                continue
+            top.add(node.module.split(".")[0])
+    assert top - sys.stdlib_module_names == {"torch", "torchrec"}, top

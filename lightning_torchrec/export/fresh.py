@@ -3,10 +3,9 @@
 Standalone: this module imports only the standard library, ``torch`` and ``torchrec``, so a
 serving process that cannot import ``lightning_torchrec`` loads it by file path::
 
-    import importlib.util, sys
+    import importlib.util
     spec = importlib.util.spec_from_file_location("fresh", "/path/to/export/fresh.py")
     fresh = importlib.util.module_from_spec(spec)
-    sys.modules["fresh"] = fresh  # (dataclasses look their module up)
     spec.loader.exec_module(fresh)
     model = fresh.FreshModel("dlrm_int8.pt2")        # reads dlrm_int8.pt2.json beside it
     model.apply("deltas/delta-000001")               # DeltaRefusedError if it does not fit
@@ -41,9 +40,8 @@ import stat
 import threading
 import warnings
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torchrec  # noqa: F401  (registers fbgemm's operators: the row-wise quantizer)
@@ -181,8 +179,7 @@ def resolve_key(key: bytes | str | None) -> bytes | None:
     return raw
 
 
-@dataclass(frozen=True)
-class Delta:
+class Delta(NamedTuple):
     """A verified delta, read whole (see :func:`read_delta`).
 
     Attributes:
@@ -520,8 +517,7 @@ def _check_rows(
 # The served model
 
 
-@dataclass(frozen=True)
-class _Served:
+class _Served(NamedTuple):
     """One served state, swapped whole: the module and where it stands in the chain."""
 
     module: Any

@@ -24,8 +24,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # noqa: E402
 
 def load_fresh(path: str):
     spec = importlib.util.spec_from_file_location("fresh", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["fresh"] = module
+    module = importlib.util.module_from_spec(spec)  # not put in sys.modules: not needed
     spec.loader.exec_module(module)
     return module
 
