@@ -494,3 +494,38 @@ def test_fresh_imports_only_the_standard_library_torch_and_torchrec() -> None:
                 continue
             top.add(node.module.split(".")[0])
     assert top - sys.stdlib_module_names == {"torch", "torchrec"}, top
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "int4"])
+def test_fp16_and_int4_rows_as_the_export_quantizes_them(
+    dtype: str, steps: dict[int, Path], chain: dict[str, Any], tmp_path: Path
+) -> None:
+    """In this process (the bare one runs fp32 and int8): step 3 + deltas == export of step 5."""
+    paths = {n: export(steps[n], MODULE, tmp_path / f"s{n}.pt2", dtype=dtype).path for n in (3, 5)}
+    model, full = FreshModel(paths[3]), FreshModel(paths[5])
+    for folder in chain["deltas"]:
+        model.apply(folder)
+    batches = _batches(1)
+    assert torch.equal(_logits(model, batches), _logits(full, batches))
+    ours, theirs = _table_bytes(model), _table_bytes(full)
+    assert all(torch.equal(ours[t], theirs[t]) for t in theirs)
+
+
+def test_a_delta_that_leaves_dense_alone(
+    exports: dict, chain: dict[str, Any], steps: dict[int, Path], tmp_path: Path
+) -> None:
+    """``dense: null``: only rows change; the dense layers stay the served ones."""
+    model = FreshModel(exports[(3, "torchscript", "fp32")])
+    dense_before = {n: t.clone() for n, t in model.module.named_parameters()}
+    tables, _ = _state(steps[5])
+    ids = torch.tensor([1, 7, 42])
+    base = chain["base"]
+    folder, _ = write_delta(
+        tmp_path, 1, base, base, {"t_cat_1": (ids, tables["t_cat_1"][ids])}, None
+    )
+    delta = model.apply(folder)
+    assert delta.dense is None and model.sequence == 1
+    for name, tensor in model.module.named_parameters():
+        assert torch.equal(tensor, dense_before[name]), name
+    rows = _table_bytes(model)["t_cat_1"].view(ROWS, 4 * DIM)[ids].view(torch.float32)
+    assert torch.equal(rows, tables["t_cat_1"][ids])

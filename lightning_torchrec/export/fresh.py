@@ -444,9 +444,11 @@ def read_delta(path: str | Path, key: bytes | str | None = None) -> Delta:
             if n:
                 raise _refuse(label, f"table {table!r}: {n} ids in {DELTA_FILE}, none in files")
             continue
-        all_ids = torch.cat(ids[table])
-        order = torch.argsort(all_ids)
-        all_ids, all_rows = all_ids[order], torch.cat(rows[table])[order]
+        all_ids, all_rows = torch.cat(ids[table]), torch.cat(rows[table])
+        if len(ids[table]) > 1:  # each file's are sorted: merge (numpy's sort: torch's is
+            # two hundred times slower on a busy CPU)
+            order = torch.from_numpy(all_ids.numpy().argsort(kind="stable"))
+            all_ids, all_rows = all_ids[order], all_rows[order]
         if all_ids.numel() != n:
             raise _refuse(
                 label, f"table {table!r}: {all_ids.numel()} ids in its files, {n} in {DELTA_FILE}"
@@ -567,8 +569,10 @@ class FreshModel:
     Memory and time: a delta is applied to a copy of the served module (``copy.deepcopy``:
     its tables dominate, and the tables of one embedding collection share one fbgemm buffer, so
     a copy of a changed table's buffer is nearly the whole model anyway), so applying needs the
-    model's size once more, for as long as requests still run on the old state; the copy takes
-    about a memory copy of the model (a few ms for 1 MB, ~0.3 s per GB). The alternative when
+    model's size once more, for as long as requests still run on the old state. Measured on a
+    busy 2-core CPU, int8 tables of 65 MiB (4 x 250,000 rows of 64): the copy 70 ms; a delta of
+    1,000 rows a table plus dense applied in 0.16-0.27 s, of 50,000 rows a table (51 MB of
+    float rows to read, verify and quantize) in 0.6-0.8 s. The alternative when
     twice the memory is too much per delta: a double buffer (two resident copies, the standby
     one brought up to date with the last two deltas and swapped; no allocation per delta but
     twice the memory all the time), or writes in place under a reader-writer lock (no copy, but
