@@ -74,7 +74,9 @@ class ExportResult:
         quantized_table_bytes: bytes of the quantized tables (with scale/bias and padding).
         seconds: wall time of the export.
         info: the JSON side file's content (features, their tables and row counts, the input
-            contract, dense width, dtypes, how to load).
+            contract, dense width, dtypes, how to load; ``checkpoint_id`` and ``served_state``:
+            the source checkpoint's id and where the artifact holds each table's rows and each
+            dense tensor, which ``export.fresh`` applies deltas by).
     """
 
     model: nn.Module
