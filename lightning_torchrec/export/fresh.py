@@ -733,6 +733,13 @@ class FreshModel:
 
     def _check_chain(self, delta: Delta, served: _Served) -> None:
         label, current = delta.label(), served.sequence
+        # Another base first: whatever its sequence, it is not of this chain.
+        if delta.base != self.checkpoint_id:
+            raise _refuse(
+                label,
+                f"another model or chain: its base checkpoint is {delta.base}, the served "
+                f"export's is {self.checkpoint_id}",
+            )
         if delta.sequence <= current:
             again = delta.id == served.id
             raise _refuse(
@@ -740,7 +747,8 @@ class FreshModel:
                 f"out of order: sequence {delta.sequence} "
                 + ("is the delta the model serves already" if again else "was already applied")
                 + f" (the model serves sequence {current}, "
-                + f"{served.delta or 'the export itself'})",
+                + f"{served.delta or 'the export itself'}, id {served.id}; this delta's id is "
+                + f"{delta.id})",
             )
         if delta.sequence > current + 1:
             missing = f"delta-{current + 1:06d}"
@@ -748,12 +756,6 @@ class FreshModel:
                 label,
                 f"a gap in its chain: {missing} (sequence {current + 1}) is missing; the model "
                 f"serves sequence {current}",
-            )
-        if delta.base != self.checkpoint_id:
-            raise _refuse(
-                label,
-                f"another model or chain: its base checkpoint is {delta.base}, the served "
-                f"export's is {self.checkpoint_id}",
             )
         if delta.parent != served.id:
             raise _refuse(
