@@ -110,7 +110,8 @@ LAYERS: tuple[Layer, ...] = (
     ),
     Layer(
         "export",
-        "quantized inference export from a sharded checkpoint, served without Lightning",
+        "quantized inference export from a sharded checkpoint, served without Lightning; a "
+        "served model kept fresh by deltas (``fresh``: standalone, torch and torchrec only)",
         (*_BASE, "sharding", "checkpoint", "models"),
     ),
     Layer(

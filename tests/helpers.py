@@ -86,24 +86,28 @@ def bad_id_requests(batch: Any, cases: list[tuple[str, int, int]]) -> list[tuple
     return requests
 
 
-def serve_bare(tmp: Path, inputs: dict, artifacts: list[Path]) -> dict:
+def serve_bare(
+    tmp: Path, inputs: dict, artifacts: list[Path], script: str = "export_serve.py"
+) -> dict:
     """Serves exported ``artifacts`` on ``inputs`` in a process that cannot import the package.
 
-    ``tests/scripts/export_serve.py`` runs in ``tmp``; the process must exit 0, import none of
+    ``tests/scripts/{script}`` (``export_serve.py``; ``fresh_serve.py``: with deltas) runs in
+    ``tmp``; the process must exit 0, import none of
     the training code, unpickle nothing, and log no warning but torch's one line when the first
     KeyedJaggedTensor is built (TorchRec's KJT asks ``is_fx_tracing()``;
     ``compat.upstream_warnings.UPSTREAM_LOG_RECORDS``), which docs/export.md shows.
 
     Args:
         tmp: the working folder.
-        inputs: what the script reads (``bad``, ``keys``, ``batches``).
+        inputs: what the script reads (``bad``, ``keys``, ``batches``, ...).
         artifacts: the artifacts to serve.
+        script: the serving script.
 
     Returns:
         The script's predictions.
     """
     torch.save(inputs, tmp / "inputs.pt")
-    command = [sys.executable, str(SCRIPTS / "export_serve.py"), str(tmp / "inputs.pt")]
+    command = [sys.executable, str(SCRIPTS / script), str(tmp / "inputs.pt")]
     proc = subprocess.run(
         [*command, str(tmp / "preds.pt"), *map(str, artifacts)],
         cwd=tmp,

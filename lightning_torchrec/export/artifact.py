@@ -45,7 +45,8 @@ from lightning_torchrec.checkpoint.signing import read_key_file
 from lightning_torchrec.compat.upstream import drop_unused_range_constraints
 from lightning_torchrec.errors import CheckpointCorruptError
 from lightning_torchrec.export.archive import load_pt2, load_torchscript
-from lightning_torchrec.export.modules import describe_call, strip_table_buffers
+from lightning_torchrec.export.fresh import MANIFEST_FILE, checkpoint_id, tensor_sha256
+from lightning_torchrec.export.modules import QUANTIZED_MODULES, describe_call, strip_table_buffers
 from lightning_torchrec.export.quantize import DTYPES, quantize_from_checkpoint
 from lightning_torchrec.export.scripting import script
 from lightning_torchrec.export.validate import ServedModel, input_contract
@@ -73,7 +74,9 @@ class ExportResult:
         quantized_table_bytes: bytes of the quantized tables (with scale/bias and padding).
         seconds: wall time of the export.
         info: the JSON side file's content (features, their tables and row counts, the input
-            contract, dense width, dtypes, how to load).
+            contract, dense width, dtypes, how to load; ``checkpoint_id`` and ``served_state``:
+            the source checkpoint's id and where the artifact holds each table's rows and each
+            dense tensor, which ``export.fresh`` applies deltas by).
     """
 
     model: nn.Module
@@ -262,6 +265,7 @@ def export(
         args = tuple(facts["example_inputs"]())
     if args is None and format == "pt2" and facts["dense_width"] is not None:
         args = _default_inputs(facts)
+    dense = dense_tensors(model)  # before trace() drops the quantized modules' table views
     artifact = trace(model, format, args)
     if format == "torchscript" and args is not None:  # pt2: tracing ran it on them
         with torch.inference_mode():  # an artifact that fails its example is not written
@@ -280,6 +284,10 @@ def export(
         "inputs": describe_call(model, args),
         "load": "torch.export.load(path).module()" if format == "pt2" else "torch.jit.load(path)",
         "checkpoint": str(checkpoint_dir),
+        "checkpoint_id": _checkpoint_id(checkpoint_dir),
+        "served_state": served_state(
+            artifact, format, dtype, facts["tables"], facts["table_rows"], dense
+        ),
     }
     path = None
     if output is not None:
@@ -298,6 +306,112 @@ def export(
         seconds=time.perf_counter() - start,
         info=info,
     )
+
+
+def _checkpoint_id(checkpoint_dir: Path) -> str | None:
+    """The checkpoint's id (what deltas name as their base), None without a manifest."""
+    if not (checkpoint_dir / MANIFEST_FILE).is_file():
+        return None
+    return checkpoint_id(checkpoint_dir)
+
+
+def dense_tensors(model: nn.Module) -> dict[str, tuple[torch.Tensor, bool]]:
+    """The model's tensors that are not embedding tables: ``{name: (tensor, persistent)}``.
+
+    Args:
+        model: the quantized model, before :func:`trace`.
+
+    Returns:
+        Its parameters and buffers outside the quantized embedding modules, named as in the
+        model (the inference model a delta's ``dense.pt`` names them by); ``persistent``: in
+        its ``state_dict()`` (a checkpoint holds it).
+    """
+    inside = tuple(f"{n}." for n, m in model.named_modules() if isinstance(m, QUANTIZED_MODULES))
+    persistent = set(model.state_dict())
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    return {n: (t, n in persistent) for n, t in tensors if not n.startswith(inside)}
+
+
+def _artifact_tensors(artifact: Any, fmt: str) -> dict[str, torch.Tensor]:
+    if fmt == "pt2":
+        return {**artifact.constants, **artifact.state_dict}
+    return {**dict(artifact.named_buffers()), **dict(artifact.named_parameters())}
+
+
+def served_state(
+    artifact: Any,
+    fmt: str,
+    dtype: str,
+    tables: dict[str, tuple[int, int]],
+    table_rows: dict[str, torch.Tensor],
+    dense: dict[str, tuple[torch.Tensor, bool]],
+) -> dict[str, Any]:
+    """Where a served artifact holds each table's rows and each dense tensor (for deltas).
+
+    Found by identity: the traced artifact holds the quantized model's own tensors (fbgemm's
+    table buffer as a constant, the dense parameters and buffers), under the names the loaded
+    artifact has them by (``.module()`` of a ``.pt2``, a TorchScript module's attributes).
+
+    Args:
+        artifact: from :func:`trace` (not yet saved).
+        fmt: its format.
+        dtype: the table dtype name.
+        tables: ``{table: (rows, dim)}``.
+        table_rows: ``{table: uint8 [rows, bytes]}`` views of the quantized tables.
+        dense: from :func:`dense_tensors`.
+
+    Returns:
+        ``{"tables": {table: {"state", "offset", "rows", "dim", "dtype", "row_bytes"}},
+        "dense": {name: {"state", "shape", "dtype", "persistent"}}, "fixed": {name: {"shape",
+        "dtype", "sha256"}}}``: ``offset`` is the byte offset of the table's row 0 in the
+        ``uint8`` tensor ``state``; ``fixed`` are dense tensors the artifact holds only as
+        constants derived from them (a TorchScript graph's slices of a buffer): a delta may
+        carry them unchanged only.
+
+    Raises:
+        RuntimeError: if a table's rows are not found in the artifact.
+    """
+    held = _artifact_tensors(artifact, fmt)
+    out_tables = {}
+    for table, rows in table_rows.items():
+        storage = rows.untyped_storage().data_ptr()
+        found = [
+            (name, t)
+            for name, t in held.items()
+            if t.dtype == torch.uint8
+            and t.dim() == 1
+            and t.numel() > 0
+            and t.untyped_storage().data_ptr() == storage
+        ]
+        if len(found) != 1:
+            raise RuntimeError(f"table {table}'s rows are in {len(found)} tensors of the artifact")
+        name, buffer = found[0]
+        out_tables[table] = {
+            "state": name,
+            "offset": rows.data_ptr() - buffer.data_ptr(),
+            "rows": tables[table][0],
+            "dim": tables[table][1],
+            "dtype": dtype,
+            "row_bytes": rows.shape[1],
+        }
+    aliases = {
+        (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype): name for name, t in held.items()
+    }
+    out_dense, fixed = {}, {}
+    for name, (tensor, persistent) in dense.items():
+        shape, kind = list(tensor.shape), str(tensor.dtype)
+        alias = aliases.get((tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype))
+        if alias is not None:
+            out_dense[name] = {
+                "state": alias,
+                "shape": shape,
+                "dtype": kind,
+                "persistent": persistent,
+            }
+        else:
+            digest = tensor_sha256(tensor)
+            fixed[name] = {"shape": shape, "dtype": kind, "sha256": digest}
+    return {"tables": out_tables, "dense": out_dense, "fixed": fixed}
 
 
 def _default_inputs(facts: dict[str, Any]) -> tuple[torch.Tensor, KeyedJaggedTensor]:

@@ -31,6 +31,7 @@ from lightning_torchrec.checkpoint import (
 )
 from lightning_torchrec.checkpoint.unsharded import constructor_args
 from lightning_torchrec.errors import CheckpointMismatchError
+from lightning_torchrec.export.fresh import SCALE_BIAS_BYTES, encode_rows
 from lightning_torchrec.export.managed import (
     MANAGED_MODULES,
     managed_tables,
@@ -55,10 +56,6 @@ from lightning_torchrec.sharding.tables import dense_width, table_bytes, table_o
 #: packed row to be a whole number of 2-byte words: int8 rows need an even width, int4 rows a
 #: width divisible by 4.
 DIM_MULTIPLE: dict[str, int] = {"int8": 2, "int4": 4, "fp16": 1, "fp32": 1}
-
-
-#: Bytes of the per-row fp16 scale and bias of int8/int4 rows (stored first in each TBE row).
-SCALE_BIAS_BYTES = 4
 
 
 #: Rows quantized per fbgemm call (bounds the temporary copies to a few MiB per table).
@@ -196,23 +193,12 @@ def _write_quantized(rows: torch.Tensor, table: torch.Tensor, dtype: str) -> Non
     """Quantizes a float table into its TBE rows (``rows``: uint8 ``[N, row bytes]``).
 
     TorchRec's ``quantize_state_dict`` does the same for a whole module: fbgemm's quantizer
-    puts scale and bias after the data, the TBE stores them first.
+    puts scale and bias after the data, the TBE stores them first (:func:`encode_rows`, which a
+    served model kept fresh by deltas uses for the rows it writes).
     """
-    bits = DATA_TYPE_NUM_BITS[DTYPES[dtype]]
-    data = table.shape[1] * bits // 8
     for start in range(0, table.shape[0], CHUNK_ROWS):
-        chunk = table[start : start + CHUNK_ROWS]
-        out = rows[start : start + CHUNK_ROWS]
-        if dtype == "fp32":
-            out[:, :data].copy_(chunk.float().contiguous().view(torch.uint8))
-        elif dtype == "fp16":
-            out[:, :data].copy_(chunk.half().contiguous().view(torch.uint8))
-        else:
-            fused = torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(
-                chunk.float().contiguous(), bits
-            )
-            out[:, :SCALE_BIAS_BYTES].copy_(fused[:, -SCALE_BIAS_BYTES:])
-            out[:, SCALE_BIAS_BYTES : SCALE_BIAS_BYTES + data].copy_(fused[:, :-SCALE_BIAS_BYTES])
+        encoded = encode_rows(table[start : start + CHUNK_ROWS], dtype)
+        rows[start : start + CHUNK_ROWS, : encoded.shape[1]].copy_(encoded)
 
 
 def _module_paths(root: nn.Module) -> dict[int, str]:
@@ -282,7 +268,8 @@ def quantize_from_checkpoint(
         ``float_table_bytes``, ``quantized_table_bytes``, ``features`` (KJT keys in table
         order), ``feature_tables``, ``sequence_features`` (those of ``EmbeddingCollection`` s:
         one vector per id), ``weighted`` (the input carries per-id weights: a feature processor's
-        weights are made inside), ``dense_width``.
+        weights are made inside), ``dense_width``, ``table_rows`` (``{name: uint8 [rows,
+        bytes]}``: each a view of its quantized module's fbgemm buffer).
 
     Raises:
         ValueError: for an unknown dtype, table widths the dtype cannot pack, or
@@ -330,11 +317,13 @@ def quantize_from_checkpoint(
     # Quantized modules first (one quantized buffer each), then stream the checkpoint.
     rows_of: dict[str, torch.Tensor] = {}
     quantized_at: dict[str, nn.Module] = {}
+    views: dict[tuple[str, str], torch.Tensor] = {}  # (collection path, table): its rows
     for path, module in collections.items():
         quantized = quantized_at[path] = empty_quantized(module, dtype)
         prefix = f"{path}.{rows_attribute(module)}." if path else f"{rows_attribute(module)}."
         for name, rows in table_rows(quantized).items():
             rows_of[f"{prefix}{name}.weight"] = rows
+            views[(path, name)] = rows
         # The float module (meta or not) is dropped here; the served model checks its ids first
         # (a managed-collision one: its raw ids, in front of the remap; see below).
         inside = any(path.startswith(f"{m}.") for m in managed)
@@ -396,5 +385,9 @@ def quantize_from_checkpoint(
         ],
         "dense_width": dense_width(root),
         "example_inputs": getattr(root, "example_inputs", None),
+        "table_rows": {
+            c.name if names.count(c.name) == 1 else f"{p}/{c.name}": views[(p, c.name)]
+            for p, c in named
+        },
     }
     return target, facts
