@@ -161,6 +161,7 @@ def _upstream_private_uses(tree: ast.AST) -> list[str]:
                 and value.startswith("_")
                 and not value.startswith("__")
                 and value.isidentifier()
+                and not value[1:].isupper()  # a file name such as Hadoop's "_SUCCESS" marker
             ):
                 uses.append(f"line {node.lineno}: {value!r}")
     return uses

@@ -25,10 +25,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-__all__ = ["DriftingClicks", "READY_MARKER"]
+from lightning_torchrec.data.stream import READY_MARKER
 
-#: The file that marks a partition directory complete (the Spark/Hadoop convention).
-READY_MARKER = "_SUCCESS"
+__all__ = ["DriftingClicks"]
 
 
 class DriftingClicks:

@@ -102,8 +102,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: The file that marks a partition directory complete (Spark's and Hadoop's ``_SUCCESS``).
-# In two pieces: tests/test_layering.py reads a string "_Name" as a private name of a library.
-READY_MARKER = "_" + "SUCCESS"
+READY_MARKER = "_SUCCESS"
 
 
 @dataclass(frozen=True)
