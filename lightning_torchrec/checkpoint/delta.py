@@ -288,7 +288,8 @@ def write_delta(
 
     Every rank passes the global row ids its batches touched (they are united across ranks);
     each rank writes the rows it owns among them from its local shards (a data-parallel table:
-    rank 0), rank 0 the inference model's dense state (gathered whole where it is sharded, a
+    all its rows, by rank 0: the dense optimizer's momentum moves untouched rows too); rank 0
+    writes the inference model's dense state (gathered whole where it is sharded, a
     managed-collision remapping), ``delta.json`` and the manifest, then renames the folder.
 
     Args:
@@ -326,6 +327,12 @@ def write_delta(
     error: BaseException | None = None
     tables = model_tables(module)
     ids = _union(touched)
+    for table in tables.values():
+        if shard_info(table.tensor).replicated:
+            # A data-parallel table is trained by the dense optimizer, whose momentum moves
+            # rows no batch touched: the whole (small) table goes into every delta.
+            ids[table.name] = torch.arange(table.rows)
+    ids = dict(sorted(ids.items()))
     pieces: dict[str, torch.Tensor] = {}
     try:
         for table, table_ids in ids.items():
@@ -389,8 +396,9 @@ def write_delta(
             world=world,
         )
     except BaseException:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+        # Every rank removes it (agreed: no rank writes any more), so that no rank returns
+        # while a partial delta is still there.
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
 

@@ -36,6 +36,7 @@ class TouchedIds:
     def __init__(self) -> None:
         self._pending: dict[str, list[torch.Tensor]] = {}
         self._tracker: Any = None
+        self._recorded = False
         #: tracker fqn -> (table name, row offset of this rank's shard)
         self._where: dict[str, tuple[str, int]] = {}
 
@@ -59,11 +60,13 @@ class TouchedIds:
             DeltaTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, delete_on_read=True)
         )
         tracker.clear()
+        self._recorded = False
         record = tracker.record_lookup
 
         def record_training(kjt: Any, states: Any, emb_module: Any = None, *rest: Any) -> None:
             if emb_module is None or emb_module.training:
                 record(kjt, states, emb_module, *rest)
+                self._recorded = True
 
         for tracked in tracker.get_tracked_modules().values():
             # Replaces the tracker's own function (registering again would log a warning).
@@ -85,8 +88,11 @@ class TouchedIds:
 
     def drain(self) -> None:
         """Moves what the tracker recorded since the last drain into the pending sets."""
-        if self._tracker is None:
+        if self._tracker is None or not self._recorded:
+            # TorchRec 1.8's store keeps a table's emptied list after a read, and reading it
+            # again before a lookup fails (torch.cat of no tensors): read only after lookups.
             return
+        self._recorded = False
         found = self._tracker.get_unique_ids()
         self._tracker.step()  # later lookups go to the next batch index: read by the next drain
         for fqn, ids in found.items():
