@@ -221,7 +221,7 @@ def test_a_resumed_fit_continues_the_chain(tmp_path: Path) -> None:
     (resume_from,) = (tmp_path / "ckpt").iterdir()
     module = tiny_dlrm()
     second = DeltaPublisher(root, every_n_steps=3, at_partition_end=False)
-    again = ModelCheckpoint(dirpath=tmp_path / "ckpt2", every_n_train_steps=5, save_top_k=-1)
+    again = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5, save_top_k=-1)
     trainer = _trainer([second, again], max_steps=12, enable_checkpointing=True)
     with pytest.warns(UserWarning, match="published after the checkpoint"):
         trainer.fit(module, _data(), ckpt_path=str(resume_from))
