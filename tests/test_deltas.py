@@ -7,12 +7,15 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.utils.data import DataLoader
 
-from lightning_torchrec import TorchRecStrategy
+from lightning_torchrec import TorchRecFabricStrategy, TorchRecStrategy, dense_parameters
 from lightning_torchrec.checkpoint import (
+    DeltaWriter,
     chain_of,
     checkpoint_id,
     read_delta,
@@ -21,8 +24,10 @@ from lightning_torchrec.checkpoint import (
 )
 from lightning_torchrec.checkpoint.delta import DELTA_FILE, DENSE_FILE, delta_name
 from lightning_torchrec.checkpoint.manifest import MANIFEST_FILE, file_checksum
+from lightning_torchrec.data import SyntheticClickDataset
 from lightning_torchrec.errors import DeltaRefusedError
 from lightning_torchrec.lightning import DeltaPublisher
+from lightning_torchrec.models.dlrm import dlrm_click_model
 from tests.helpers import assert_same, run_script
 from tests.scripts.delta_state import chain_state
 from tests.scripts.factory import cpu_trainer, table_wise, tiny_data, tiny_dlrm
@@ -265,3 +270,39 @@ def test_two_rank_chain_restores_on_one_process_and_back(
     reference, reference_optimizer = _target()
     restore_chain(reference, tmp_path / "final", [], optimizer=reference_optimizer)
     assert_same(restored, chain_state(reference, reference_optimizer))
+
+
+def test_a_fabric_loop_publishes_with_a_delta_writer(tmp_path: Path) -> None:
+    strategy = TorchRecFabricStrategy(
+        log_plan=False, fused_params={"learning_rate": 0.1}, constraints=table_wise(2)
+    )
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    fabric.launch()
+
+    def setup() -> tuple[Any, Any]:
+        torch.manual_seed(0)
+        unsharded = dlrm_click_model([50, 50], embedding_dim=4, dense_arch_layer_sizes=[4])
+        model = fabric.setup_module(unsharded)
+        return model, fabric.setup_optimizers(torch.optim.SGD(dense_parameters(model), lr=0.1))
+
+    model, optimizer = setup()
+    writer = DeltaWriter(tmp_path / "chain")
+    state = {"model": model, "optimizer": optimizer, "deltas": writer}
+    writer.start(fabric.strategy.run.dmp, model.module, lambda path: fabric.save(path, state))
+    batches = DataLoader(SyntheticClickDataset([50, 50], 6, 4), batch_size=None)
+    for step, batch in enumerate(batches, 1):
+        optimizer.zero_grad()
+        fabric.backward(model(batch)[0])
+        optimizer.step()
+        if step % 2 == 0:
+            writer.publish(model.module, step, optimizer=optimizer)
+    fabric.save(tmp_path / "final", state)  # the writer's state rides along
+    assert [p.name for p in chain_of(tmp_path / "chain")] == [delta_name(i) for i in (1, 2, 3)]
+    final = chain_state(model.module)
+    target, target_optimizer = setup()
+    restore_chain(target.module, tmp_path / "chain" / "base", chain_of(tmp_path / "chain"))
+    assert_same(chain_state(target.module), final)
+    again = DeltaWriter(tmp_path / "chain")
+    loaded = {"model": target, "optimizer": target_optimizer, "deltas": again}
+    fabric.load(tmp_path / "final", loaded)
+    assert (again.sequence, again.last_id, again.base_id) == (3, writer.last_id, writer.base_id)
