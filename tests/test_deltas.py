@@ -13,6 +13,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 
+from benchmarks.delta_size import main as delta_size
 from lightning_torchrec import TorchRecFabricStrategy, TorchRecStrategy, dense_parameters
 from lightning_torchrec.checkpoint import (
     DeltaWriter,
@@ -306,3 +307,10 @@ def test_a_fabric_loop_publishes_with_a_delta_writer(tmp_path: Path) -> None:
     loaded = {"model": target, "optimizer": target_optimizer, "deltas": again}
     fabric.load(tmp_path / "final", loaded)
     assert (again.sequence, again.last_id, again.base_id) == (3, writer.last_id, writer.base_id)
+
+
+def test_the_size_benchmark_meets_its_target(tmp_path: Path) -> None:
+    result = delta_size(["--quick", "--out", str(tmp_path)])
+    assert all(0.05 <= f < 0.06 for f in result["touched_fraction"].values())
+    assert result["delta_ratio"] <= 0.10 and result["delta_with_optimizer_ratio"] <= 0.10
+    assert (tmp_path / "delta_size.json").is_file()
