@@ -26,19 +26,26 @@ from lightning_torchrec.checkpoint import (
 from lightning_torchrec.checkpoint.delta import DELTA_FILE, DENSE_FILE, delta_name
 from lightning_torchrec.checkpoint.manifest import MANIFEST_FILE, file_checksum
 from lightning_torchrec.data import SyntheticClickDataset
-from lightning_torchrec.errors import DeltaRefusedError
+from lightning_torchrec.errors import DeltaRefusedError, ShardingConflictError
 from lightning_torchrec.lightning import DeltaPublisher
 from lightning_torchrec.models.dlrm import dlrm_click_model
 from tests.helpers import assert_same, run_script
 from tests.scripts.delta_state import chain_state
-from tests.scripts.factory import cpu_trainer, table_wise, tiny_data, tiny_dlrm
+from tests.scripts.factory import (
+    cpu_trainer,
+    sharding_constraints,
+    table_wise,
+    tiny_data,
+    tiny_dlrm,
+)
 
 KEY = b"k" * 32
 STEPS_PER_EPOCH = 8
 
 
-def _trainer(callbacks: list[Any], **kwargs: Any) -> Any:
-    strategy = TorchRecStrategy(constraints=table_wise(2), log_plan=False)
+def _trainer(callbacks: list[Any], types: dict[str, str] | None = None, **kwargs: Any) -> Any:
+    constraints = sharding_constraints(types) if types else table_wise(2)
+    strategy = TorchRecStrategy(constraints=constraints, log_plan=False)
     return cpu_trainer(strategy, limit_val_batches=0, callbacks=callbacks, **kwargs)
 
 
@@ -59,25 +66,29 @@ class Snapshots(Callback):
         self.at[trainer.global_step] = chain_state(pl_module, trainer.optimizers[0])
 
 
-def _target() -> tuple[Any, Any]:
+def _target(types: dict[str, str] | None = None) -> tuple[Any, Any]:
     """A freshly sharded model and its optimizer to restore into."""
     module = tiny_dlrm()
-    trainer = _trainer([], max_epochs=0)
+    trainer = _trainer([], types, max_epochs=0)
     trainer.fit(module, _data())
     return module, trainer.optimizers[0]
 
 
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One fit of 2 epochs publishing every 3 steps (and at each epoch's end), with optimizer."""
+    """One fit of 2 epochs publishing every 3 steps (and at each epoch's end), with optimizer.
+
+    ``t_cat_1`` is data-parallel: the dense optimizer (Adam) moves rows no batch touched, so
+    every delta holds the whole table."""
     out = tmp_path_factory.mktemp("chain")
     snaps = Snapshots()
     publisher = DeltaPublisher(out / "chain", every_n_steps=3, with_optimizer=True)
     module = tiny_dlrm()
-    trainer = _trainer([snaps, publisher], max_epochs=2)
+    types = {"t_cat_0": "table_wise", "t_cat_1": "data_parallel"}
+    trainer = _trainer([snaps, publisher], types, max_epochs=2)
     trainer.fit(module, _data())
     trainer.save_checkpoint(out / "final", weights_only=False)
-    target, optimizer = _target()
+    target, optimizer = _target(types)
     return {
         "out": out,
         "root": out / "chain",
@@ -110,8 +121,10 @@ def test_each_delta_holds_every_changed_row(chain: dict[str, Any]) -> None:
             untouched_seen += int(untouched.sum())
             assert not changed[untouched].any()  # rows of untouched ids did not change
             assert torch.equal(rows[f"{table}/rows"], now[f"{table}/rows"][ids])
-            state = rows[f"{table}/state/momentum1"]
-            assert torch.equal(state, now[f"{table}/state/{table}.momentum1"][ids])
+        state = rows["t_cat_0/state/momentum1"]  # the fused optimizer's row state
+        assert torch.equal(state, now["t_cat_0/state/t_cat_0.momentum1"][rows["t_cat_0/ids"]])
+        assert len(rows["t_cat_1/ids"]) == 200  # data-parallel: the whole table
+        assert rows["t_cat_1/state/exp_avg"].shape == (200, 4)
         dense = delta.tensors(DENSE_FILE)
         assert "dense_arch.model._mlp.0._linear.weight" in dense  # the inference model's names
         for name, value in dense.items():
@@ -208,6 +221,16 @@ def test_signed_deltas_and_bad_ids(chain: dict[str, Any], tmp_path: Path) -> Non
     with pytest.raises(ValueError, match="not in the model"):
         write_delta(tmp_path, module, {"nope": torch.tensor([1])}, **_next(base_id))
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # nothing else written
+
+
+def test_column_wise_tables_are_refused_clearly(tmp_path: Path) -> None:
+    module = tiny_dlrm(embedding_dim=8)
+    types = {"t_cat_0": "column_wise", "t_cat_1": "table_wise"}
+    cw = TorchRecStrategy(constraints=sharding_constraints(types, min_partition=4), log_plan=False)
+    cpu_trainer(cw, max_epochs=0).fit(module, _data())
+    with pytest.raises(ShardingConflictError, match="'t_cat_0' is sharded by columns"):
+        write_delta(tmp_path, module, {"t_cat_0": torch.tensor([3])}, **_next("0" * 64))
+    assert list(tmp_path.iterdir()) == []
 
 
 def _next(base_id: str) -> dict[str, Any]:
