@@ -30,6 +30,7 @@ from lightning_torchrec.errors import DeltaRefusedError, ShardingConflictError
 from lightning_torchrec.lightning import DeltaPublisher
 from lightning_torchrec.models.dlrm import dlrm_click_model
 from tests.helpers import assert_same, run_script
+from tests.scripts import mc_model
 from tests.scripts.delta_state import chain_state
 from tests.scripts.factory import (
     cpu_trainer,
@@ -337,3 +338,21 @@ def test_the_size_benchmark_meets_its_target(tmp_path: Path) -> None:
     assert all(0.05 <= f < 0.06 for f in result["touched_fraction"].values())
     assert result["delta_ratio"] <= 0.10 and result["delta_with_optimizer_ratio"] <= 0.10
     assert (tmp_path / "delta_size.json").is_file()
+
+
+def test_a_managed_collision_model_restores_its_remapping(tmp_path: Path) -> None:
+    """Evicting MCH modules remap raw ids every 2 steps: the deltas carry the remapping (whole,
+    in dense.pt) and the rows the remapped ids reach, so every raw id finds the same row."""
+    publisher = DeltaPublisher(tmp_path / "chain", every_n_steps=5, with_optimizer=True)
+    module = mc_model.module()
+    trainer = cpu_trainer(
+        mc_model.strategy(), max_steps=12, limit_val_batches=0, callbacks=[publisher]
+    )
+    trainer.fit(module, mc_model.data())
+    dense = read_delta(publisher.published[-1]).tensors(DENSE_FILE)
+    assert any("_mch_" in name for name in dense)  # the remapping, named as in the model
+    want = (chain_state(module), mc_model.lookup(module))
+    target = mc_model.module()
+    cpu_trainer(mc_model.strategy(), max_epochs=0).fit(target, mc_model.data())
+    restore_chain(target, tmp_path / "chain" / "base", chain_of(tmp_path / "chain"))
+    assert_same((chain_state(target), mc_model.lookup(target)), want)

@@ -18,11 +18,26 @@ from typing import Any
 
 import torch
 from torch import nn
+from torchrec.distributed.mc_embedding_modules import (
+    BaseShardedManagedCollisionEmbeddingCollection,
+)
 from torchrec.distributed.model_tracker.types import DeltaTrackerConfig, TrackingMode
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from lightning_torchrec.compat.upstream import embedding_lookups
 from lightning_torchrec.distributed import all_gather
 from lightning_torchrec.sharding.layout import shard_info
 from lightning_torchrec.sharding.tables import embedding_tables, table_of_key
+
+
+def _inside_managed_collision(module: nn.Module, fqn: str) -> bool:
+    """Whether the tracked module at ``fqn`` is the collection inside a managed-collision one."""
+    parent = fqn.rsplit(".", 1)[0] if "." in fqn else ""
+    try:
+        holder = module.get_submodule(parent)
+    except AttributeError:
+        return False
+    return isinstance(holder, BaseShardedManagedCollisionEmbeddingCollection)
 
 
 class TouchedIds:
@@ -36,6 +51,7 @@ class TouchedIds:
     def __init__(self) -> None:
         self._pending: dict[str, list[torch.Tensor]] = {}
         self._tracker: Any = None
+        self._handles: list[Any] = []
         self._recorded = False
         #: tracker fqn -> (table name, row offset of this rank's shard)
         self._where: dict[str, tuple[str, int]] = {}
@@ -60,6 +76,9 @@ class TouchedIds:
             DeltaTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, delete_on_read=True)
         )
         tracker.clear()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
         self._recorded = False
         record = tracker.record_lookup
 
@@ -68,9 +87,11 @@ class TouchedIds:
                 record(kjt, states, emb_module, *rest)
                 self._recorded = True
 
-        for tracked in tracker.get_tracked_modules().values():
+        for fqn, tracked in tracker.get_tracked_modules().items():
             # Replaces the tracker's own function (registering again would log a warning).
             tracked.post_lookup_tracker_fn = record_training
+            if _inside_managed_collision(module, fqn):
+                self._watch_lookups(tracked, record_training)
         offsets: dict[str, int] = {}
         for key, tensor in embedding_tables(module).items():
             starts = {s.row_offset for s in shard_info(tensor).shards}
@@ -85,6 +106,17 @@ class TouchedIds:
             fqn: (table, offsets.get(table, 0)) for table, fqn in tracker.table_to_fqn.items()
         }
         self._tracker = tracker
+
+    def _watch_lookups(self, tracked: nn.Module, record: Any) -> None:
+        """Records the ids reaching ``tracked``'s lookups (its post-lookup hook never runs)."""
+
+        def before_lookup(lookup: nn.Module, args: tuple[Any, ...]) -> None:
+            if args and isinstance(args[0], KeyedJaggedTensor):
+                record(args[0], None, tracked)
+
+        self._handles = [
+            lookup.register_forward_pre_hook(before_lookup) for lookup in embedding_lookups(tracked)
+        ]
 
     def drain(self) -> None:
         """Moves what the tracker recorded since the last drain into the pending sets."""
