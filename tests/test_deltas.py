@@ -356,3 +356,13 @@ def test_a_managed_collision_model_restores_its_remapping(tmp_path: Path) -> Non
     cpu_trainer(mc_model.strategy(), max_epochs=0).fit(target, mc_model.data())
     restore_chain(target, tmp_path / "chain" / "base", chain_of(tmp_path / "chain"))
     assert_same((chain_state(target), mc_model.lookup(target)), want)
+
+
+def test_settings_the_publisher_cannot_follow_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="every_n_steps=0"):
+        DeltaPublisher(tmp_path, every_n_steps=0)
+    strategy = TorchRecStrategy(constraints=table_wise(2), log_plan=False, pipeline="semi_sync")
+    trainer = cpu_trainer(strategy, max_steps=1, callbacks=[DeltaPublisher(tmp_path / "chain")])
+    with pytest.raises(ValueError, match="cannot follow pipeline=.semi_sync."):
+        trainer.fit(tiny_dlrm(), _data())
+    assert not (tmp_path / "chain").exists()
