@@ -187,9 +187,9 @@ def _dense_targets(module: nn.Module, tables: Mapping[str, _Table]) -> dict[str,
 def _full(tensor: torch.Tensor) -> torch.Tensor | None:
     """A sharded tensor gathered whole on rank 0 (None elsewhere); collective when sharded."""
     if not _is_sharded(tensor):
-        return tensor.detach().clone()
+        return tensor.detach().cpu().clone()
     info = shard_info(tensor)
-    pieces = all_gather([(s.row_offset, s.col_offset, s.tensor.clone()) for s in info.shards])
+    pieces = all_gather([(s.row_offset, s.col_offset, s.tensor.cpu()) for s in info.shards])
     if rank_and_world_size()[0] != 0:
         return None
     first = next((p[2] for ps in pieces for p in ps), None)
@@ -350,11 +350,13 @@ def write_delta(
             found = _owned(tables[table].tensor, table_ids, rank, table)
             if found:
                 pieces[f"{table}/ids"] = torch.cat([g for _, g, _ in found])
-                pieces[f"{table}/rows"] = torch.cat([p[i] for p, _, i in found]).float()
+                rows = [p[i.to(p.device)] for p, _, i in found]
+                pieces[f"{table}/rows"] = torch.cat(rows).float().cpu()
             for state, value in states.get(table, {}).items():
                 held = _owned(value, table_ids, rank, table)
                 if held:
-                    pieces[f"{table}/state/{state}"] = torch.cat([p[i] for p, _, i in held])
+                    got = [p[i.to(p.device)] for p, _, i in held]
+                    pieces[f"{table}/state/{state}"] = torch.cat(got).cpu()
     except Exception as err:  # noqa: BLE001 - agreed below
         error = err
     agree_checkpoint_error(error)
@@ -766,7 +768,9 @@ def _put(tensor: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> None:
         start, stop = shard.row_offset, shard.row_offset + shard.tensor.shape[0]
         mask = (ids >= start) & (ids < stop)
         if bool(mask.any()):
-            shard.tensor[ids[mask] - start] = values[mask].to(shard.tensor.dtype)
+            device = shard.tensor.device
+            rows = (ids[mask] - start).to(device)
+            shard.tensor[rows] = values[mask].to(device=device, dtype=shard.tensor.dtype)
 
 
 def _apply(
