@@ -366,3 +366,19 @@ def test_settings_the_publisher_cannot_follow_are_refused(tmp_path: Path) -> Non
     with pytest.raises(ValueError, match="cannot follow pipeline=.semi_sync."):
         trainer.fit(tiny_dlrm(), _data())
     assert not (tmp_path / "chain").exists()
+
+
+def test_a_state_saved_without_touched_ids_publishes_whole_tables(
+    chain: dict[str, Any], tmp_path: Path
+) -> None:
+    """A save while handling an exception gathers nothing (the ranks may be at different
+    points): a run resumed from it cannot know the rows touched, so its next delta is whole."""
+    base_id = checkpoint_id(chain["root"] / "base")
+    writer = DeltaWriter(tmp_path)
+    state = {"sequence": 0, "last_id": base_id, "base_id": base_id, "touched": None}
+    writer.load_state_dict(state)
+    assert writer.state_dict()["touched"] is None  # still unknown until a delta is published
+    first = read_delta(writer.publish(chain["target"], 5))
+    whole = {"rows": 200, "dim": 4, "ids": 200}
+    assert first.info["tables"] == {"t_cat_0": whole, "t_cat_1": whole}
+    assert writer.state_dict()["touched"] == {}  # known again: nothing touched since

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from lightning_torchrec.checkpoint.common import agree_checkpoint_error
@@ -24,6 +25,7 @@ from lightning_torchrec.checkpoint.delta import (
     DELTA_FILE,
     checkpoint_id,
     delta_name,
+    model_tables,
     write_delta,
 )
 from lightning_torchrec.checkpoint.paths import local_path
@@ -59,6 +61,9 @@ class DeltaWriter:
         #: The base checkpoint's id (None before :meth:`start`).
         self.base_id: str | None = None
         self.touched = TouchedIds()
+        #: The touched ids are unknown (a state saved without them): the next delta holds
+        #: every row of every table.
+        self.everything = False
 
     @property
     def base_path(self) -> Path:
@@ -160,6 +165,8 @@ class DeltaWriter:
         if self.base_id is None or self.last_id is None:
             raise RuntimeError("DeltaWriter.start() first: the chain has no base yet")
         touched = self.touched.gathered()
+        if self.everything:
+            touched = {t.name: torch.arange(t.rows) for t in model_tables(module).values()}
         path = write_delta(
             self.dirpath,
             module,
@@ -177,20 +184,28 @@ class DeltaWriter:
         )
         self.sequence += 1
         self.touched.clear()
+        self.everything = False
         return path
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, collective: bool = True) -> dict[str, Any]:
         """The chain's state, with every rank's touched ids united. Collective.
 
+        Args:
+            collective: False when the ranks may not all be here (a save while handling an
+                exception on several ranks): nothing is gathered, and the state says that the
+                touched ids are unknown, so a run resumed from it publishes whole tables next.
+
         Returns:
-            ``{"sequence", "last_id", "base_id", "touched"}``.
+            ``{"sequence", "last_id", "base_id", "touched"}`` (``touched`` None: unknown).
         """
+        world = rank_and_world_size()[1]
+        known = collective or world == 1
         return {
             "sequence": self.sequence,
             "last_id": self.last_id,
             "base_id": self.base_id,
-            "touched": self.touched.state_dict(),
-            "world_size": rank_and_world_size()[1],
+            "touched": self.touched.state_dict() if known and not self.everything else None,
+            "world_size": world,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -208,4 +223,6 @@ class DeltaWriter:
         if not (isinstance(last, str | None) and isinstance(base, str | None)):
             raise ValueError("a delta chain's state whose ids are not strings")
         self.sequence, self.last_id, self.base_id = sequence, last, base
-        self.touched.load_state_dict(state.get("touched") or {})
+        touched = state.get("touched")
+        self.everything = touched is None and last is not None
+        self.touched.load_state_dict(touched or {})

@@ -68,6 +68,7 @@ class DeltaPublisher(Callback):
         self.time_check_every_n_steps = time_check_every_n_steps
         self._last_time = time.monotonic()
         self._last_step = -1
+        self._trainer: Any = None
         #: The delta folders this fit published, in order.
         self.published: list[Path] = []
 
@@ -78,6 +79,7 @@ class DeltaPublisher(Callback):
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._trainer = trainer
         strategy = trainer.strategy
         kind = getattr(getattr(strategy, "pipeline_config", None), "kind", None)
         if kind == "semi_sync":
@@ -146,7 +148,10 @@ class DeltaPublisher(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return self.writer.state_dict()
+        # A save while handling an exception (OnExceptionCheckpoint) may find the ranks at
+        # different points: no collective then; a run resumed from it publishes whole tables.
+        interrupted = bool(getattr(self._trainer, "interrupted", False))
+        return self.writer.state_dict(collective=not interrupted)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
