@@ -348,15 +348,22 @@ def write_delta(
         states = _row_states(optimizer, tables)
         for table, table_ids in ids.items():
             found = _owned(tables[table].tensor, table_ids, rank, table)
-            if found:
-                pieces[f"{table}/ids"] = torch.cat([g for _, g, _ in found])
-                rows = [p[i.to(p.device)] for p, _, i in found]
-                pieces[f"{table}/rows"] = torch.cat(rows).float().cpu()
+            if not found:
+                continue
+            owned, order = torch.cat([g for _, g, _ in found]).sort()
+            pieces[f"{table}/ids"] = owned
+            rows = torch.cat([p[i.to(p.device)] for p, _, i in found]).float().cpu()
+            pieces[f"{table}/rows"] = rows[order]
             for state, value in states.get(table, {}).items():
                 held = _owned(value, table_ids, rank, table)
-                if held:
-                    got = [p[i.to(p.device)] for p, _, i in held]
-                    pieces[f"{table}/state/{state}"] = torch.cat(got).cpu()
+                state_ids, state_order = torch.cat([owned[:0], *(g for _, g, _ in held)]).sort()
+                if not torch.equal(state_ids, owned):
+                    raise ValueError(
+                        f"the optimizer state {state!r} of table {table!r} is not sharded like "
+                        "the table on this rank: its rows cannot go into a delta with them"
+                    )
+                got = torch.cat([p[i.to(p.device)].cpu() for p, _, i in held])
+                pieces[f"{table}/state/{state}"] = got[state_order]
     except Exception as err:  # noqa: BLE001 - agreed below
         error = err
     agree_checkpoint_error(error)
