@@ -99,13 +99,15 @@ LAYERS: tuple[Layer, ...] = (
         "the run both front ends share (``run``: groups, sharding, collectives, failures), the "
         "step (``steps``: its owner and one object per mode), its vote (``step_guard``: bad "
         "batches, non-finite losses, uneven data), batch checks, TorchRec's train pipelines, the "
-        "combined dense and fused optimizer, norms, managed-collision counts, metrics",
+        "combined dense and fused optimizer, norms, managed-collision counts, metrics, "
+        "the ids training touched (``touched``)",
         (*_BASE, "sharding"),
     ),
     Layer(
         "checkpoint",
         "sharded checkpoints with torch.distributed.checkpoint: files and checksums, loading "
-        "without running code, save, load, one-process loads, consolidation to plain weights",
+        "without running code, save, load, one-process loads, consolidation to plain weights, "
+        "delta checkpoints (the rows training touched) and their chains",
         (*_BASE, "sharding", "training"),
     ),
     Layer(
@@ -119,7 +121,7 @@ LAYERS: tuple[Layer, ...] = (
         "the Trainer glue: ``TorchRecStrategy`` (one class) with its setup checks, checkpoint "
         "save and load, the step vote's callback; "
         "``TorchRecModule``, ``DLRMClickModule``; the norm, managed-collision, preemption and "
-        "progressive-evaluation callbacks",
+        "progressive-evaluation callbacks; the delta publisher",
         (*_BASE, "data", "models", "sharding", "training", "checkpoint"),
         trainer=True,
     ),

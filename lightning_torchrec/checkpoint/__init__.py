@@ -41,7 +41,9 @@ model from a checkpoint directory in one process.
 This module is the public face of the checkpoint modules: ``common`` (recognising a checkpoint,
 agreeing errors), ``save``, ``load``, ``unsharded``, ``consolidate``, with ``files`` (writing,
 crash-safe replacement), ``ownership`` (what a save may delete) and ``safe_load`` (DCP's reader,
-made safe) below them. Reading a stranger's checkpoint safely is ``folder`` (every file a load
+made safe) below them. ``delta`` writes, reads and applies delta checkpoints (only the rows
+training touched since the last publish, and the dense state) and ``delta_writer`` keeps one
+run's chain of them. Reading a stranger's checkpoint safely is ``folder`` (every file a load
 opens: ``paths``, ``manifest``, ``signing``, ``limits``), ``unpickle`` with ``dcp_allow`` and
 ``dcp_metadata`` (DCP's metadata), and ``torch_files`` (``torch.save`` files); ``confine`` keeps
 restored ``ModelCheckpoint`` paths inside its directory. See ``docs/checkpoints.md`` for the
@@ -61,6 +63,15 @@ from lightning_torchrec.checkpoint.common import (
     written_by_this_package,
 )
 from lightning_torchrec.checkpoint.confine import confine_checkpoint_paths
+from lightning_torchrec.checkpoint.delta import (
+    Delta,
+    chain_of,
+    checkpoint_id,
+    read_delta,
+    restore_chain,
+    write_delta,
+)
+from lightning_torchrec.checkpoint.delta_writer import DeltaWriter
 from lightning_torchrec.checkpoint.load import check_compatible, load_sharded
 from lightning_torchrec.checkpoint.save import check_finite, save_sharded
 from lightning_torchrec.checkpoint.signing import KEY_FILE_ENV, read_key_file
@@ -73,13 +84,17 @@ from lightning_torchrec.checkpoint.unsharded import (
 )
 
 __all__ = [
+    "Delta",
+    "DeltaWriter",
     "FORMAT_VERSION",
     "KEY_FILE_ENV",
     "META_FILE",
     "MODEL_KEY",
     "PACKAGE_KEY",
     "check_compatible",
+    "chain_of",
     "check_finite",
+    "checkpoint_id",
     "confine_checkpoint_paths",
     "fill_plain",
     "is_sharded_checkpoint",
@@ -89,8 +104,11 @@ __all__ = [
     "load_unsharded",
     "meta_tensors",
     "plain_tensor_index",
+    "read_delta",
     "read_key_file",
     "remove_checkpoint",
+    "restore_chain",
     "save_sharded",
+    "write_delta",
     "written_by_this_package",
 ]

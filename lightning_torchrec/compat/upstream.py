@@ -396,3 +396,22 @@ def managed_collision_table(key: str) -> str | None:
 SCHEDULER_GROUP_KEYS = ("base_lrs", "_last_lr", "min_lrs", "max_lrs", "lr_lambdas")
 SCHEDULER_LAST_LR = "_last_lr"
 SCHEDULER_NESTED = "_schedulers"
+
+
+def embedding_lookups(module: nn.Module) -> list[nn.Module]:
+    """The lookup modules of a sharded EBC/EC, one per sharding type (``_lookups``).
+
+    A lookup's input is the batch's KJT after the input distribution: this rank's ids, local to
+    its shards. TorchRec's ``ModelDeltaTracker`` records lookups from
+    ``compute_and_output_dist``; a managed-collision collection calls ``compute`` and
+    ``output_dist`` of the collection inside it instead (torchrec 1.8), where nothing is
+    recorded, so its lookups are watched here.
+
+    Args:
+        module: a ``ShardedEmbeddingBagCollection`` or ``ShardedEmbeddingCollection``.
+
+    Returns:
+        Its lookup modules (empty for another module).
+    """
+    lookups = getattr(module, "_lookups", None)
+    return [m for m in lookups if isinstance(m, nn.Module)] if lookups is not None else []

@@ -10,10 +10,12 @@ from lightning_torchrec.lightning.module import TorchRecModule
 from lightning_torchrec.lightning.norm_callbacks import EmbeddingNormCallback, WeightNormCallback
 from lightning_torchrec.lightning.preemption import PreemptionCheckpoint, SLURMRequeue
 from lightning_torchrec.lightning.progressive import ProgressiveEvaluation
+from lightning_torchrec.lightning.publisher import DeltaPublisher
 from lightning_torchrec.lightning.strategy import TorchRecStrategy
 
 __all__ = [
     "DLRMClickModule",
+    "DeltaPublisher",
     "EmbeddingNormCallback",
     "ManagedCollisionStatsCallback",
     "PreemptionCheckpoint",
