@@ -1,6 +1,7 @@
 # make demo  - install (if needed) and train DLRM on synthetic clicks on 2 CPU processes
 # make demo-fabric - the same job in a loop of your own, on Lightning Fabric
 # make demo-seq - train a SASRec-style sequence recommender on generated MovieLens-layout data
+# make demo-online - train a drifting stream of hourly partitions, publish deltas to a served model
 # make test  - install (if needed) and run the test suite
 # make docs  - build the documentation site (warnings are errors)
 # make bench - run the benchmarks (not part of make test)
@@ -14,7 +15,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_ARGS ?=
 
-.PHONY: install demo demo-fabric demo-seq test docs bench lint clean test-compat test-cluster
+.PHONY: install demo demo-fabric demo-seq demo-online test docs bench lint clean test-compat test-cluster
 LINT_PATHS := lightning_torchrec tests benchmarks notebooks/*.py scripts/*.py docs/conf.py
 
 install: $(STAMP)
@@ -32,6 +33,9 @@ demo-fabric: $(STAMP)
 
 demo-seq: $(STAMP)
 	$(PY) -m lightning_torchrec.demo_seq $(DEMO_ARGS)
+
+demo-online: $(STAMP)
+	$(PY) -m lightning_torchrec.demo_online $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check $(LINT_PATHS)

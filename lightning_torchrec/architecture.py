@@ -158,6 +158,7 @@ APP_MODULES = (
     "criteo",
     "demo",
     "demo_fabric",
+    "demo_online",
     "demo_seq",
 )
 

@@ -606,6 +606,16 @@ class PartitionStreamData(LightningDataModule):
         self._skipped: set[str] = set()
         self._tails: set[tuple[str, str]] = set()
 
+    @property
+    def current_partition(self) -> str | None:
+        """The name of the partition the training loader iterates (or last iterated).
+
+        A delta published at a partition's end names it (``DeltaPublisher``).
+        """
+        if 0 <= self.trained_index < len(self.partitions):
+            return self.partitions[self.trained_index].name
+        return None
+
     @classmethod
     def criteo_days(
         cls,

@@ -71,6 +71,8 @@ class DeltaPublisher(Callback):
         self._trainer: Any = None
         #: The delta folders this fit published, in order.
         self.published: list[Path] = []
+        #: The wall time each of them took to publish (gather, write, rename), in seconds.
+        self.publish_seconds: list[float] = []
 
     @property
     @override
@@ -112,10 +114,12 @@ class DeltaPublisher(Callback):
         # A stream's data module names its partitions; otherwise the epoch is the partition.
         partition = getattr(getattr(trainer, "datamodule", None), "current_partition", None)
         partition = str(trainer.current_epoch) if partition is None else str(partition)
+        began = time.monotonic()
         path = self.writer.publish(
             pl_module, trainer.global_step, partition=partition, optimizer=optimizer
         )
         self.published.append(path)
+        self.publish_seconds.append(time.monotonic() - began)
         self._last_time = time.monotonic()
         self._last_step = trainer.global_step
 
