@@ -20,7 +20,8 @@ served chain and fits the served tables, then writes the rows (re-quantized row-
 int8/int4 exactly as the export quantizes them: :func:`encode_rows`) into a *copy* of the served
 module and swaps the copy in by replacing one reference. A request reads that reference once, so
 it runs wholly on the old or wholly on the new state; a refused or failed delta leaves the served
-model as it was.
+model as it was. A managed-collision model's remap of raw ids is rebuilt from the MCH buffers in
+``dense.pt`` (:func:`served_remap`, with which the export builds it) and swapped in with the rows.
 
 After each delta the served model equals a full export of the same training step: bit for bit at
 fp32 (rows and dense tensors are copied), and at int8/int4/fp16 equal to the export's own
