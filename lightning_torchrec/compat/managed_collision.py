@@ -61,12 +61,14 @@ class MchState:
             admitted, sorted, an empty slot holding ``int64`` max.
         rows: ``[rows]`` int64: the global row of each of those ids.
         segments: the shard boundaries ``[0, ..., rows]`` (TorchRec pads them with -1).
+        output_segments: the buffer they are read from (``[rows + 1]`` or longer, -1 padded).
         hash_func: the input hash function applied to raw ids before the remap, if any.
     """
 
     sorted_raw_ids: torch.Tensor
     rows: torch.Tensor
     segments: list[int]
+    output_segments: torch.Tensor
     hash_func: Callable[..., torch.Tensor] | None
 
 
@@ -84,5 +86,6 @@ def mch_state(module: MCHManagedCollisionModule) -> MchState:
         sorted_raw_ids=module._mch_sorted_raw_ids,
         rows=module._mch_remapped_ids_mapping,
         segments=segments,
+        output_segments=module._output_segments_tensor,
         hash_func=module._input_hash_func,
     )

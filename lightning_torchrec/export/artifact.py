@@ -45,7 +45,12 @@ from lightning_torchrec.checkpoint.signing import read_key_file
 from lightning_torchrec.compat.upstream import drop_unused_range_constraints
 from lightning_torchrec.errors import CheckpointCorruptError
 from lightning_torchrec.export.archive import load_pt2, load_torchscript
-from lightning_torchrec.export.fresh import MANIFEST_FILE, checkpoint_id, tensor_sha256
+from lightning_torchrec.export.fresh import (
+    MANIFEST_FILE,
+    REMAP_TENSORS,
+    checkpoint_id,
+    tensor_sha256,
+)
 from lightning_torchrec.export.modules import QUANTIZED_MODULES, describe_call, strip_table_buffers
 from lightning_torchrec.export.quantize import DTYPES, quantize_from_checkpoint
 from lightning_torchrec.export.scripting import script
@@ -286,7 +291,13 @@ def export(
         "checkpoint": str(checkpoint_dir),
         "checkpoint_id": _checkpoint_id(checkpoint_dir),
         "served_state": served_state(
-            artifact, format, dtype, facts["tables"], facts["table_rows"], dense
+            artifact,
+            format,
+            dtype,
+            facts["tables"],
+            facts["table_rows"],
+            dense,
+            facts.get("managed"),
         ),
     }
     path = None
@@ -345,6 +356,7 @@ def served_state(
     tables: dict[str, tuple[int, int]],
     table_rows: dict[str, torch.Tensor],
     dense: dict[str, tuple[torch.Tensor, bool]],
+    managed: dict[str, list[dict[str, Any]]] | None = None,
 ) -> dict[str, Any]:
     """Where a served artifact holds each table's rows and each dense tensor (for deltas).
 
@@ -359,6 +371,8 @@ def served_state(
         tables: ``{table: (rows, dim)}``.
         table_rows: ``{table: uint8 [rows, bytes]}`` views of the quantized tables.
         dense: from :func:`dense_tensors`.
+        managed: ``{remap path: tables}`` of the managed-collision remaps
+            (``export.managed.managed_sources``), or None.
 
     Returns:
         ``{"tables": {table: {"state", "offset", "rows", "dim", "dtype", "row_bytes"}},
@@ -366,7 +380,10 @@ def served_state(
         "dtype", "sha256"}}}``: ``offset`` is the byte offset of the table's row 0 in the
         ``uint8`` tensor ``state``; ``fixed`` are dense tensors the artifact holds only as
         constants derived from them (a TorchScript graph's slices of a buffer): a delta may
-        carry them unchanged only.
+        carry them unchanged only. With managed-collision tables also ``"managed": {remap
+        path: {"sorted_ids", "rows", "fallback", "tables"}}``: the artifact's names of each
+        remap's three tensors (not in ``dense``: a delta's MCH buffers rebuild them) and its
+        tables as ``managed`` gives them.
 
     Raises:
         RuntimeError: if a table's rows are not found in the artifact.
@@ -411,7 +428,15 @@ def served_state(
         else:
             digest = tensor_sha256(tensor)
             fixed[name] = {"shape": shape, "dtype": kind, "sha256": digest}
-    return {"tables": out_tables, "dense": out_dense, "fixed": fixed}
+    out_managed = {}
+    for path, remap_tables in (managed or {}).items():
+        names = [f"{path}.{attr}" for attr in REMAP_TENSORS]
+        if all(n in out_dense for n in names):  # else not recorded: its deltas are refused
+            pairs = zip(REMAP_TENSORS, names, strict=True)
+            held_as = {attr: out_dense.pop(name)["state"] for attr, name in pairs}
+            out_managed[path] = {**held_as, "tables": remap_tables}
+    state = {"tables": out_tables, "dense": out_dense, "fixed": fixed}
+    return state | ({"managed": out_managed} if out_managed else {})
 
 
 def _default_inputs(facts: dict[str, Any]) -> tuple[torch.Tensor, KeyedJaggedTensor]:

@@ -20,7 +20,8 @@ served chain and fits the served tables, then writes the rows (re-quantized row-
 int8/int4 exactly as the export quantizes them: :func:`encode_rows`) into a *copy* of the served
 module and swaps the copy in by replacing one reference. A request reads that reference once, so
 it runs wholly on the old or wholly on the new state; a refused or failed delta leaves the served
-model as it was.
+model as it was. A managed-collision model's remap of raw ids is rebuilt from the MCH buffers in
+``dense.pt`` (:func:`served_remap`, with which the export builds it) and swapped in with the rows.
 
 After each delta the served model equals a full export of the same training step: bit for bit at
 fp32 (rows and dense tensors are copied), and at int8/int4/fp16 equal to the export's own
@@ -131,6 +132,105 @@ def encoded_bytes(dtype: str, dim: int) -> int:
     """
     extra = SCALE_BIAS_BYTES if dtype in ("int8", "int4") else 0
     return dim * DTYPE_BITS[dtype] // 8 + extra
+
+
+# ---------------------------------------------------------------------------------------------
+# Managed-collision remapping: the served form of an MCH module's state, shared with
+# export/managed.py (the export builds its RawIdRemap with it, a delta's rebuild is the same)
+
+#: An empty slot of an MCH module, and of the served remap (no raw id reaches it).
+EMPTY = torch.iinfo(torch.int64).max
+
+#: The served remap's tensors (``export.managed.RawIdRemap``'s buffers): every table's
+#: admitted raw ids, their rows, the fallback row of each shard.
+REMAP_TENSORS = ("sorted_ids", "rows", "fallback")
+
+
+def bucket_width(input_size: int, buckets: int, shards: int) -> int:
+    """How many consecutive raw ids each row-wise shard gets: shard ``id // width``.
+
+    TorchRec's row-wise input dist (``RwSparseFeaturesDist``) cuts ``[0, input_size)`` into
+    ``buckets`` blocks of ``ceil(input_size / buckets)`` ids, ``buckets / shards`` consecutive
+    blocks per shard (fbgemm's ``block_bucketize_sparse_features``).
+
+    Args:
+        input_size: the raw-id range.
+        buckets: the MCH module's buckets (a multiple of ``shards``).
+        shards: the row-wise shards (ranks).
+
+    Returns:
+        The width, at most ``input_size`` (with one shard the product may pass ``int64`` max).
+    """
+    return min(-(-input_size // buckets) * (buckets // shards), input_size)
+
+
+def served_remap(
+    table: str,
+    sorted_raw_ids: torch.Tensor,
+    remapped_ids: torch.Tensor,
+    segments: list[int],
+    input_size: int,
+    buckets: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """One table's MCH state in the served form: what ``RawIdRemap`` holds for it.
+
+    Each shard's slice of the state is sorted as TorchRec's load sorts it; its last slot is
+    never matched, and only the ids of the shard's own bucket are kept. The kept ids of all
+    shards (so sorted) come first, then :data:`EMPTY` up to ``rows - shards + 1`` entries: a
+    size fixed by the table, not by how many ids are admitted, so a graph that slices the
+    remap by table (a ``.pt2`` bakes the bounds in) stays valid as deltas admit and evict.
+
+    Args:
+        table: the table (for messages).
+        sorted_raw_ids: the module's ``_mch_sorted_raw_ids`` (unsharded: every shard's slice).
+        remapped_ids: its ``_mch_remapped_ids_mapping`` (the global row of each slot).
+        segments: the shard boundaries ``[0, ..., rows]``.
+        input_size: the raw-id range.
+        buckets: the module's buckets.
+
+    Returns:
+        ``(ids, their rows, fallback row per shard, ids per shard)``: ``int64 [rows - shards +
+        1]`` twice, ``int64 [shards]`` and the bucket width.
+
+    Raises:
+        ValueError: for a state not in non-empty row-wise shards covering it whose number
+            divides ``buckets``, or that maps an id to a row outside it, naming the table.
+    """
+    shards = len(segments) - 1
+    total = sorted_raw_ids.shape[0]
+    bad = (
+        shards < 1
+        or segments[0] != 0
+        or segments[-1] != total
+        or any(b <= a for a, b in zip(segments, segments[1:], strict=False))
+        or tuple(remapped_ids.shape) != (total,)
+    )
+    if bad or buckets % shards:
+        raise ValueError(
+            f"table {table!r}: its managed-collision state was sharded as rows {segments} "
+            f"with {buckets} buckets; the export needs non-empty row-wise shards covering "
+            f"[0, {total}) and a bucket count divisible by their number"
+        )
+    width = bucket_width(input_size, buckets, shards)
+    ids, rows, fallback = [], [], []
+    for p in range(shards):
+        start, end = segments[p], segments[p + 1]
+        order = torch.argsort(sorted_raw_ids[start:end], stable=True)  # as TorchRec's load
+        held = sorted_raw_ids[start:end][order][:-1]  # its last slot is never matched
+        held_rows = remapped_ids[start:end][order][:-1]
+        mine = (held >= p * width) & (held < min((p + 1) * width, input_size))
+        ids.append(held[mine])
+        rows.append(held_rows[mine])
+        fallback.append(end - 1)
+    kept = torch.cat(rows)
+    if kept.numel() and (int(kept.min()) < 0 or int(kept.max()) >= total):
+        raise ValueError(
+            f"table {table!r}: its managed-collision state maps an id outside its rows"
+        )
+    pad = total - shards + 1 - kept.numel()  # at least 1: the end, never passed by searchsorted
+    ids.append(torch.full((pad,), EMPTY, dtype=torch.int64))
+    rows.append(torch.zeros(pad, dtype=torch.int64))
+    return torch.cat(ids), torch.cat(rows), torch.tensor(fallback, dtype=torch.int64), width
 
 
 # ---------------------------------------------------------------------------------------------
@@ -615,6 +715,7 @@ class FreshModel:
         self.tables: dict[str, dict[str, Any]] = state["tables"]
         self.dense: dict[str, dict[str, Any]] = state["dense"]
         self.fixed: dict[str, dict[str, Any]] = state.get("fixed", {})
+        self.managed: dict[str, dict[str, Any]] = state.get("managed", {})
         self.key = resolve_key(key)
         if module is None:
             if self.info.get("format") == "pt2":
@@ -641,15 +742,20 @@ class FreshModel:
                     f"{self.artifact}: table {table!r}'s rows are not in {spec['state']} "
                     f"(uint8 {list(buffer.shape)}; {side} says bytes [{spec['offset']}, {end}))"
                 )
-        for spec in self.dense.values():
+        expected = [(spec["state"], spec["shape"]) for spec in self.dense.values()]
+        for remap in self.managed.values():
+            slots = sum(t["rows"] - t["shards"] + 1 for t in remap["tables"])
+            shards = sum(t["shards"] for t in remap["tables"])
+            for attr, size in zip(REMAP_TENSORS, (slots, slots, shards), strict=True):
+                expected.append((remap[attr], [size]))
+        for state, shape in expected:
             try:
-                tensor = _resolve(module, spec["state"])
+                tensor = _resolve(module, state)
             except AttributeError as err:
-                raise ValueError(f"{self.artifact} has no {spec['state']} ({side}): {err}") from err
-            if list(tensor.shape) != spec["shape"]:
+                raise ValueError(f"{self.artifact} has no {state} ({side}): {err}") from err
+            if list(tensor.shape) != shape:
                 raise ValueError(
-                    f"{self.artifact}: {spec['state']} is {list(tensor.shape)}, {side} says "
-                    f"{spec['shape']}"
+                    f"{self.artifact}: {state} is {list(tensor.shape)}, {side} says {shape}"
                 )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -689,7 +795,8 @@ class FreshModel:
         of order); one past the next (a gap: the message names the missing delta); the next one
         of another chain or base checkpoint; a table the served model lacks, or with other rows
         or width; an id outside its table; dense tensors the served model does not hold or with
-        other shapes.
+        other shapes; a managed-collision state that is not the export's (other rows, shards or
+        buckets).
 
         Args:
             delta: the delta folder.
@@ -704,8 +811,8 @@ class FreshModel:
             served = self._served
             loaded = read_delta(delta, self.key)
             self._check_chain(loaded, served)
-            self._check_fits(loaded)
-            module = self._build(loaded, served.module)
+            remaps = self._check_fits(loaded)
+            module = self._build(loaded, served.module, remaps)
             self._served = _Served(module, loaded.id, loaded.sequence, loaded.name, loaded.step)
         return loaded
 
@@ -764,7 +871,8 @@ class FreshModel:
                 f"{served.id} ({served.delta or 'the export itself'})",
             )
 
-    def _check_fits(self, delta: Delta) -> None:
+    def _check_fits(self, delta: Delta) -> dict[str, torch.Tensor]:
+        """Refuses what does not fit; returns the rebuilt remap tensors by artifact name."""
         label = delta.label()
         for table, (rows, dim) in delta.tables.items():
             spec = self.tables.get(table)
@@ -781,18 +889,33 @@ class FreshModel:
                     f"served one {spec['rows']} of width {spec['dim']}",
                 )
         if delta.dense is None:
-            return
-        unknown = sorted(set(delta.dense) - set(self.dense) - set(self.fixed))
+            return {}
+        managed = [t for remap in self.managed.values() for t in remap["tables"]]
+        sources = {t[k] for t in managed for k in ("sorted_raw_ids", "remapped_ids", "segments")}
+        carried = sources | {n for t in managed for n in t["other"]}
+        unknown = sorted(set(delta.dense) - set(self.dense) - set(self.fixed) - carried)
         if unknown:
-            raise _refuse(
-                label, f"another model: dense tensors the served model does not hold: {unknown}"
+            older = not self.managed and any(
+                n.rpartition(".")[2] == "sorted_ids" and ".remap." in f".{n}" for n in self.dense
             )
-        missing = sorted(
-            n for n, s in self.dense.items() if s.get("persistent", True) and n not in delta.dense
-        )
+            raise _refuse(
+                label,
+                f"another model: dense tensors the served model does not hold: {unknown}"
+                + (
+                    " (the export records no managed-collision remapping to rebuild from them: "
+                    "it was exported before deltas of such models could be applied; export it "
+                    "again)"
+                    if older
+                    else ""
+                ),
+            )
+        required = {n for n, s in self.dense.items() if s.get("persistent", True)} | sources
+        missing = sorted(required - set(delta.dense))
         if missing:
             raise _refuse(label, f"{DENSE_FILE} lacks dense tensors of the model: {missing}")
         for name, tensor in delta.dense.items():
+            if name in carried:
+                continue  # managed-collision state: checked as the remap is rebuilt, below
             spec = self.dense.get(name) or self.fixed[name]
             if list(tensor.shape) != spec["shape"] or str(tensor.dtype) != spec["dtype"]:
                 raise _refuse(
@@ -806,10 +929,48 @@ class FreshModel:
                     f"{name} changed, and the artifact holds it as a constant of its graph: "
                     "export the model again",
                 )
+        return self._rebuilt_remaps(delta, label)
+
+    def _rebuilt_remaps(self, delta: Delta, label: str) -> dict[str, torch.Tensor]:
+        """Each served remap's tensors rebuilt from the delta's MCH buffers (as the export)."""
+        dense = delta.dense or {}
+        out = {}
+        for remap in self.managed.values():
+            parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+            for spec in remap["tables"]:
+                table, rows = spec["table"], spec["rows"]
+                state = [dense[spec[k]] for k in ("sorted_raw_ids", "remapped_ids", "segments")]
+                if len(state[0]) != rows or any(
+                    t.dtype != torch.int64 or t.dim() != 1 for t in state
+                ):
+                    raise _refuse(
+                        label,
+                        f"another model: table {table!r}'s managed-collision state is "
+                        f"{[f'{t.dtype} {list(t.shape)}' for t in state]}, not int64 [{rows}] "
+                        "(ids, rows) and int64 [n] (shards)",
+                    )
+                segments = [int(s) for s in state[2].tolist() if s >= 0]  # -1: no boundary
+                if len(segments) - 1 != spec["shards"]:
+                    raise _refuse(
+                        label,
+                        f"table {table!r}: its managed-collision state is in "
+                        f"{len(segments) - 1} row-wise shards {segments}, the export's in "
+                        f"{spec['shards']} (trained on another number of ranks): export again",
+                    )
+                try:
+                    ids, held_rows, fallback, _ = served_remap(
+                        table, state[0], state[1], segments, spec["input_size"], spec["buckets"]
+                    )
+                except ValueError as err:
+                    raise _refuse(label, str(err)) from err
+                parts.append((ids, held_rows, fallback))
+            for i, attr in enumerate(REMAP_TENSORS):
+                out[remap[attr]] = torch.cat([p[i] for p in parts])
+        return out
 
     @torch.no_grad()
-    def _build(self, delta: Delta, module: Any) -> Any:
-        """The state after ``delta``: a copy of ``module`` with its rows and dense written."""
+    def _build(self, delta: Delta, module: Any, remaps: dict[str, torch.Tensor]) -> Any:
+        """The state after ``delta``: a copy of ``module`` with its rows, dense and remaps."""
         new = _copy_module(module)
         for table, ids in delta.ids.items():
             spec = self.tables[table]
@@ -821,4 +982,6 @@ class FreshModel:
         for name, tensor in (delta.dense or {}).items():
             if name in self.dense:
                 _resolve(new, self.dense[name]["state"]).copy_(tensor)
+        for state, tensor in remaps.items():  # sizes fixed per table (``served_remap``)
+            _resolve(new, state).copy_(tensor)
         return new

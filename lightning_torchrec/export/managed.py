@@ -16,10 +16,13 @@ row-wise only, and its state with it (``torchrec/distributed/mc_modules.py``,
 
 :class:`RawIdRemap` is that lookup for every table at once, as plain tensors: the admitted ids
 of all shards (each shard's only the ids of its own bucket, so together they are sorted), their
-rows, and each shard's fallback row. It is part of the artifact, behind the same id check as
-plain tables (:class:`~lightning_torchrec.export.validate.IdRangeCheck`), here against the raw-id
-range ``[0, input_size)``: an id outside it is refused, as the trained model's buckets do not
-cover it.
+rows, and each shard's fallback row; each table's entries are as many as its slots (less one
+per shard), the unused ones :data:`EMPTY` as in the MCH module, so a delta that admits or
+evicts ids rewrites the tensors in place (``export/fresh.py`` builds them, from the export's
+MCH modules here and from a delta's buffers there). It is part of the artifact, behind the
+same id check as plain tables (:class:`~lightning_torchrec.export.validate.IdRangeCheck`), here
+against the raw-id range ``[0, input_size)``: an id outside it is refused, as the trained
+model's buckets do not cover it.
 """
 
 from __future__ import annotations
@@ -34,13 +37,24 @@ from torchrec.modules.mc_modules import MCHManagedCollisionModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_torchrec.compat.managed_collision import managed_parts, mch_state
+from lightning_torchrec.export.fresh import EMPTY, bucket_width, served_remap
 from lightning_torchrec.export.validate import IdRangeCheck
 
 #: The managed-collision embedding modules the export serves.
 MANAGED_MODULES = (BaseManagedCollisionEmbeddingCollection,)
 
-#: An empty slot of an MCH module (and the end of the served ids: no raw id reaches it).
-EMPTY = torch.iinfo(torch.int64).max
+__all__ = [
+    "EMPTY",
+    "MANAGED_MODULES",
+    "ManagedEmbeddings",
+    "ManagedTable",
+    "RawIdRemap",
+    "bucket_width",
+    "managed_sources",
+    "managed_tables",
+    "raw_id_bounds",
+    "served_managed",
+]
 
 
 @dataclass(frozen=True)
@@ -97,64 +111,72 @@ def managed_tables(module: nn.Module) -> list[ManagedTable]:
     return tables
 
 
-def bucket_width(input_size: int, buckets: int, shards: int) -> int:
-    """How many consecutive raw ids each row-wise shard gets: shard ``id // width``.
-
-    TorchRec's row-wise input dist (``RwSparseFeaturesDist``) cuts ``[0, input_size)`` into
-    ``buckets`` blocks of ``ceil(input_size / buckets)`` ids, ``buckets / shards`` consecutive
-    blocks per shard (fbgemm's ``block_bucketize_sparse_features``).
-
-    Args:
-        input_size: the raw-id range.
-        buckets: the MCH module's buckets (a multiple of ``shards``).
-        shards: the row-wise shards (ranks).
-
-    Returns:
-        The width, at most ``input_size`` (with one shard the product may pass ``int64`` max).
-    """
-    return min(-(-input_size // buckets) * (buckets // shards), input_size)
-
-
 def _served_state(
     table: ManagedTable, mc: nn.Module
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """``(sorted ids, their rows, fallback row per shard, ids per shard)`` of one table."""
+    """``(ids, their rows, fallback row per shard, ids per shard)`` of one table (``fresh``)."""
     state = mch_state(mc)
-    segments = state.segments
-    shards = len(segments) - 1
-    total = state.sorted_raw_ids.shape[0]
-    bad = (
-        shards < 1
-        or segments[0] != 0
-        or segments[-1] != total
-        or any(b <= a for a, b in zip(segments, segments[1:], strict=False))
+    return served_remap(
+        table.name,
+        state.sorted_raw_ids,
+        state.rows,
+        state.segments,
+        table.input_size,
+        table.buckets,
     )
-    if bad or table.buckets % shards:
-        raise ValueError(
-            f"table {table.name!r}: its managed-collision state was sharded as rows {segments} "
-            f"with {table.buckets} buckets; the export needs non-empty row-wise shards covering "
-            f"[0, {total}) and a bucket count divisible by their number"
+
+
+def managed_sources(module: nn.Module, prefix: str) -> list[dict[str, Any]]:
+    """Where a delta carries each managed table's state, for the served remap's rebuild.
+
+    A delta's ``dense.pt`` holds the MCH modules' buffers under the inference model's names;
+    the export records which are the remap's sources, so a server rebuilds the remap from
+    them (``fresh.served_remap``) as the export built it.
+
+    Args:
+        module: the float managed-collision module (its MCH modules hold the exported state).
+        prefix: its path in the inference model (``""`` for the model itself).
+
+    Returns:
+        Per table in the remap's order: ``{"table", "input_size", "buckets", "rows",
+        "shards", "sorted_raw_ids", "remapped_ids", "segments", "other"}``: the
+        names of the three source buffers, and ``other`` the module's other state (eviction
+        metadata: carried by deltas, not served).
+    """
+    parts = managed_parts(module)
+    out = []
+    for table in managed_tables(module):
+        mc = parts.modules[table.name]
+        state = mch_state(mc)
+        at = f"{prefix}." if prefix else ""
+        path = at + next(n for n, m in module.named_modules() if m is mc)
+        names = {id(t): f"{path}.{n}" for n, t in mc.state_dict(keep_vars=True).items()}
+        sources = {
+            "sorted_raw_ids": names[id(state.sorted_raw_ids)],
+            "remapped_ids": names[id(state.rows)],
+            "segments": names[id(state.output_segments)],
+        }
+        shards = len(state.segments) - 1
+        rows = int(state.sorted_raw_ids.shape[0])
+        out.append(
+            {
+                "table": table.name,
+                "input_size": table.input_size,
+                "buckets": table.buckets,
+                "rows": rows,
+                "shards": shards,
+                **sources,
+                "other": sorted(set(names.values()) - set(sources.values())),
+            }
         )
-    width = bucket_width(table.input_size, table.buckets, shards)
-    ids, rows, fallback = [], [], []
-    for p in range(shards):
-        start, end = segments[p], segments[p + 1]
-        order = torch.argsort(state.sorted_raw_ids[start:end], stable=True)  # as TorchRec's load
-        held = state.sorted_raw_ids[start:end][order][:-1]  # its last slot is never matched
-        held_rows = state.rows[start:end][order][:-1]
-        mine = (held >= p * width) & (held < min((p + 1) * width, table.input_size))
-        ids.append(held[mine])
-        rows.append(held_rows[mine])
-        fallback.append(end - 1)
-    ids.append(torch.tensor([EMPTY]))  # searchsorted never runs past it
-    rows.append(torch.tensor([0]))
-    return torch.cat(ids), torch.cat(rows), torch.tensor(fallback, dtype=torch.int64), width
+    return out
 
 
 class RawIdRemap(nn.Module):
     """Remaps raw ids to table rows, for every managed table of one embedding module.
 
-    Per table: the admitted raw ids of every shard (sorted, ending with ``int64`` max), their
+    Per table: the admitted raw ids of every shard (sorted, then :data:`EMPTY` up to
+    ``rows - shards + 1`` entries: a size that admissions and evictions do not change), their
     rows, the fallback row of each shard and the ids per shard. An id ``v`` of the table's
     feature gets the row of ``v`` if admitted, else its shard's fallback row
     (shard ``v // width``). Ids are expected in ``[0, input_size)`` (checked before).

@@ -34,6 +34,7 @@ from lightning_torchrec.errors import CheckpointMismatchError
 from lightning_torchrec.export.fresh import SCALE_BIAS_BYTES, encode_rows
 from lightning_torchrec.export.managed import (
     MANAGED_MODULES,
+    managed_sources,
     managed_tables,
     raw_id_bounds,
     served_managed,
@@ -269,7 +270,9 @@ def quantize_from_checkpoint(
         order), ``feature_tables``, ``sequence_features`` (those of ``EmbeddingCollection`` s:
         one vector per id), ``weighted`` (the input carries per-id weights: a feature processor's
         weights are made inside), ``dense_width``, ``table_rows`` (``{name: uint8 [rows,
-        bytes]}``: each a view of its quantized module's fbgemm buffer).
+        bytes]}``: each a view of its quantized module's fbgemm buffer), ``managed``
+        (``{remap path: managed_sources(...)}``: each served remap's tables and the buffers of
+        the inference model a delta carries their state in).
 
     Raises:
         ValueError: for an unknown dtype, table widths the dtype cannot pack, or
@@ -351,8 +354,12 @@ def quantize_from_checkpoint(
             del tensor
     # The MCH modules now hold the checkpoint's remapping state (every shard's, by global row).
     raw_ids: dict[str, int] = {}
+    within = {id(m): n for n, m in target.named_modules()}  # paths in the inference model
+    remaps: dict[str, list[dict[str, Any]]] = {}  # served remap: where deltas carry its state
     for path, module in managed.items():
         raw_ids.update(raw_id_bounds(module))
+        at = within[id(module)]
+        remaps[f"{at}.remap" if at else "remap"] = managed_sources(module, at)
         inner = next(p for p in quantized_at if p.startswith(f"{path}."))
         _set_submodule(root, path, served_managed(module, quantized_at[inner]), target)
     left = meta_tensors(target)
@@ -385,6 +392,7 @@ def quantize_from_checkpoint(
         ],
         "dense_width": dense_width(root),
         "example_inputs": getattr(root, "example_inputs", None),
+        "managed": remaps,
         "table_rows": {
             c.name if names.count(c.name) == 1 else f"{p}/{c.name}": views[(p, c.name)]
             for p, c in named
