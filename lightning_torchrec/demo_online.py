@@ -11,13 +11,13 @@ once in a work folder:
    partition (:class:`~lightning_torchrec.data.PartitionStreamData`), evaluates each partition
    before training on it (:class:`~lightning_torchrec.lightning.ProgressiveEvaluation`) and
    publishes a delta at each partition's end
-   (:class:`~lightning_torchrec.lightning.DeltaPublisher`); the fit ends when no partition comes
-   for a while;
+   (:class:`~lightning_torchrec.lightning.DeltaPublisher`); the stream is the list of the
+   ``--partitions`` the writer will publish, each waited for, and the fit ends after the last;
 3. an *export* of the chain's base checkpoint (``lightning_torchrec.export``), done here;
 4. a *server* (a process that cannot import ``lightning_torchrec``: it loads
    ``lightning_torchrec/export/fresh.py`` by its path, with ``torch`` and ``torchrec``) that
    applies each delta as it appears and, after each, scores the next partition with the fresh
-   model and with a stale copy that never takes a delta.
+   model and with a stale copy that took the first delta (partition 0) and no other.
 
 It prints, per partition: the trainer's progressive NE, the fresh and the stale served model's NE
 on the same rows, the delta's size against the full checkpoint's, the publish time and the
@@ -83,13 +83,15 @@ def ne(model, rows):
     return float(loss / -(p * p.log() + (1 - p) * (1 - p).log()))
 
 served = fresh.FreshModel(artifact)
-stale = fresh.FreshModel(artifact)
+stale = fresh.FreshModel(artifact)  # takes the first delta (partition 0), then no other
 records = []
 Path(results).write_text("[]")  # ready: the writer goes on publishing partitions
 while True:
     finished = Path(done).exists()
     for delta in served.apply_pending(deltas):
         applied = time.time()
+        if stale.sequence == 0:
+            stale.apply(Path(deltas) / delta.name)
         meta = json.loads((Path(deltas) / delta.name / "delta.json").read_text())
         record = {"delta": delta.name, "partition": meta.get("partition"), "step": delta.step,
                   "written": meta["written"], "freshness_s": applied - meta["written"]}
@@ -112,8 +114,11 @@ def _train(args: argparse.Namespace) -> None:
     work = Path(args.workdir)
     clicks = _clicks(args)
     L.seed_everything(0, verbose=False)
+    # The partitions the writer will publish, in order: each is waited for (up to the timeout),
+    # and the stream ends right after the last. A directory as the source would take whatever
+    # appears, and end after a partition-less wait of the timeout.
     data = PartitionStreamData(
-        work / "stream",
+        [work / "stream" / clicks.name(t) for t in range(args.partitions)],
         clicks.dense_columns,
         clicks.sparse_columns,
         "label",
@@ -219,11 +224,15 @@ def _report(
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     """Runs the demo (or, with ``train``, the trainer job it starts).
 
     Args:
         argv: command-line arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        The demo's figures: ``{"served": [...], "trained": {...}}`` (one record per delta as
+        the server applied it; the trainer's progressive metrics); None for ``train``.
 
     Raises:
         SystemExit: when the trainer or the server fails.
@@ -235,7 +244,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=4096, help="samples per partition")
     parser.add_argument("--num-embeddings", type=int, default=50_000)
     parser.add_argument("--interval", type=float, default=3.0, help="seconds between partitions")
-    parser.add_argument("--timeout", type=float, default=20.0, help="stream ends after this wait")
+    parser.add_argument(
+        "--timeout", type=float, default=120.0, help="longest wait for a partition (seconds)"
+    )
     parser.add_argument("--batch-size", type=int, default=128, help="per rank")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "int8", "int4"])
@@ -243,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.command == "train":
         _train(args)
-        return
+        return None
     work = args.workdir or Path(tempfile.mkdtemp(prefix="online_demo_"))
     work.mkdir(parents=True, exist_ok=True)
     args.workdir = work
@@ -293,8 +304,10 @@ def main(argv: list[str] | None = None) -> None:
         for process in (trainer, server):
             if process is not None and process.poll() is None:
                 process.kill()
-    print(_report(work, json.loads(results.read_text()), json.loads(done.read_text()), server_up))
+    served, trained = json.loads(results.read_text()), json.loads(done.read_text())
+    print(_report(work, served, trained, server_up))
     print(f"\nwork folder: {work} (TensorBoard: tensorboard --logdir {work / 'logs'})")
+    return {"served": served, "trained": trained}
 
 
 if __name__ == "__main__":
