@@ -39,6 +39,12 @@ TESTS=(
     # TorchRec's test models on every CPU sharding type; the row-wise types are left out by name
     # where the stack's gloo has no reduce_scatter (torch < 2.8; see its module docstring)
     tests/test_conformance.py
+    # Online training: the stream, delta checkpoints and the served model kept fresh by them
+    tests/test_stream.py
+    tests/test_deltas.py
+    tests/test_online.py
+    tests/test_fresh.py
+    tests/test_fresh_managed.py
 )
 
 # name: torch fbgemm-gpu-cpu torchrec [extra requirement files for the torchrec step]
