@@ -23,12 +23,17 @@ from lightning_torchrec.checkpoint import (
     restore_chain,
     write_delta,
 )
-from lightning_torchrec.checkpoint.delta import DELTA_FILE, DENSE_FILE, delta_name
+from lightning_torchrec.checkpoint.delta import DELTA_FILE, DENSE_FILE, delta_name, model_tables
 from lightning_torchrec.checkpoint.manifest import MANIFEST_FILE, file_checksum
 from lightning_torchrec.data import SyntheticClickDataset
-from lightning_torchrec.errors import DeltaRefusedError, ShardingConflictError
+from lightning_torchrec.errors import (
+    DeltaRefusedError,
+    NonFiniteCheckpointError,
+    ShardingConflictError,
+)
 from lightning_torchrec.lightning import DeltaPublisher
 from lightning_torchrec.models.dlrm import dlrm_click_model
+from lightning_torchrec.sharding.layout import shard_info
 from tests.helpers import assert_same, run_script
 from tests.scripts import mc_model
 from tests.scripts.delta_state import chain_state
@@ -222,6 +227,34 @@ def test_signed_deltas_and_bad_ids(chain: dict[str, Any], tmp_path: Path) -> Non
     with pytest.raises(ValueError, match="not in the model"):
         write_delta(tmp_path, module, {"nope": torch.tensor([1])}, **_next(base_id))
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # nothing else written
+
+
+def test_non_finite_rows_are_neither_published_nor_restored(
+    chain: dict[str, Any], tmp_path: Path
+) -> None:
+    module, base_id = chain["target"], checkpoint_id(chain["root"] / "base")
+    local = shard_info(model_tables(module)["t_cat_0"].tensor).shards[0].tensor
+    kept = local[1].clone()
+    local[1, 0] = float("nan")
+    try:
+        with pytest.raises(NonFiniteCheckpointError, match="refusing to publish delta-000002"):
+            write_delta(tmp_path / "w", module, {"t_cat_0": torch.tensor([1, 2])}, **_next(base_id))
+    finally:
+        local[1] = kept
+    assert not (tmp_path / "w" / delta_name(2)).exists()
+    root = _copy_chain(chain, tmp_path)
+    first = chain_of(root)[0]
+    rows = torch.load(first / "rank-00000.pt", weights_only=True)
+    rows["t_cat_0/rows"][0, 0] = float("inf")
+    torch.save(rows, first / "rank-00000.pt")
+    manifest = json.loads((first / MANIFEST_FILE).read_text())
+    manifest["files"]["rank-00000.pt"] = file_checksum(first / "rank-00000.pt")
+    (first / MANIFEST_FILE).write_text(json.dumps(manifest))
+    before = chain_state(module, chain["optimizer"])
+    with pytest.raises(DeltaRefusedError, match="t_cat_0/rows holds NaN or inf") as caught:
+        restore_chain(module, root / "base", [first], optimizer=chain["optimizer"])
+    assert first.name in str(caught.value)
+    assert_same(chain_state(module, chain["optimizer"]), before)
 
 
 def test_column_wise_tables_are_refused_clearly(tmp_path: Path) -> None:

@@ -386,6 +386,30 @@ def test_id_outside_the_table_refused(
     _refused(served, folder, f"id {ROWS} >= the table's rows ({ROWS})", "t_cat_1")
 
 
+def test_non_finite_rows_or_dense_refused(
+    served: FreshModel, chain: dict[str, Any], steps: dict[int, Path], tmp_path: Path
+) -> None:
+    base = chain["base"]
+    rows = torch.ones(3, DIM)
+    rows[1, 2] = float("nan")
+    folder, _ = write_delta(
+        tmp_path / "rows",
+        1,
+        base,
+        base,
+        {"t_cat_1": (torch.tensor([0, 5, 7]), rows)},
+        None,
+        ranks=1,
+    )
+    _refused(served, folder, "t_cat_1", "the row of id 5 holds NaN or inf")
+    _, dense = _state(steps[4])
+    name = sorted(dense)[0]
+    dense[name] = dense[name].clone()
+    dense[name].view(-1)[0] = float("inf")
+    folder, _ = write_delta(tmp_path / "dense", 1, base, base, {}, dense, ranks=1)
+    _refused(served, folder, f"{name} holds NaN or inf")
+
+
 def test_damaged_missing_or_unlisted_files_refused(
     served: FreshModel, chain: dict[str, Any], tmp_path: Path
 ) -> None:

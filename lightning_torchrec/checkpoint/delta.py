@@ -53,10 +53,12 @@ from lightning_torchrec.distributed import all_gather, broadcast_from_rank0, ran
 from lightning_torchrec.errors import (
     CheckpointWriteError,
     DeltaRefusedError,
+    NonFiniteCheckpointError,
     ShardingConflictError,
 )
 from lightning_torchrec.sharding.layout import global_shape, shard_info
 from lightning_torchrec.sharding.tables import embedding_tables, table_of_key
+from lightning_torchrec.training.finite import nonfinite_tensors
 from lightning_torchrec.training.optim import keyed_optimizer
 
 #: ``delta.json``'s ``format``.
@@ -368,6 +370,18 @@ def write_delta(
         error = err
     agree_checkpoint_error(error)
     dense = {n: _full(t) for n, t in _dense_targets(module, tables).items()}
+    bad = nonfinite_tensors(
+        {"rows": pieces, "dense": {n: t for n, t in dense.items() if t is not None}}
+    )
+    agree_checkpoint_error(
+        NonFiniteCheckpointError(
+            f"refusing to publish {name} at global step {step}: non-finite values on rank "
+            f"[{rank}]: {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}. The chain keeps "
+            "its last delta; find where the NaN came from (loss, learning rate, data)."
+        )
+        if bad
+        else None
+    )
 
     def make_tmp() -> str:
         root.mkdir(parents=True, exist_ok=True)
@@ -722,6 +736,8 @@ def _check_content(
             if ids is None or ids.dtype != torch.int64 or ids.dim() != 1:
                 raise delta.refuse(f"{file_name}: {table}/ids missing or not int64 [n]")
             n = len(ids)
+            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                raise delta.refuse(f"{file_name}: {name} holds NaN or inf")
             if what == "ids":
                 if n and (int(ids.min()) < 0 or int(ids.max()) >= t.rows):
                     raise delta.refuse(
@@ -764,6 +780,8 @@ def _check_content(
                 raise delta.refuse(
                     f"dense entry {name!r} ({list(value.shape)}) does not fit the model"
                 )
+            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                raise delta.refuse(f"dense entry {name!r} holds NaN or inf")
         files.append(content)
     return files
 

@@ -605,6 +605,10 @@ def _check_rows(
             )
         if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
             raise _refuse(label, f"{where}: ids are not sorted and unique")
+    finite = torch.isfinite(rows).all(1)
+    if not bool(finite.all()):
+        first = int(ids[~finite][0])
+        raise _refuse(label, f"{where}: the row of id {first} holds NaN or inf")
     for key, value in tensors.items():
         if key.startswith(f"{table}/state/") and (
             value.dim() == 0 or value.shape[0] != ids.numel()
@@ -923,6 +927,8 @@ class FreshModel:
                     f"another model: {name} is {tensor.dtype} {list(tensor.shape)}, the served "
                     f"one {spec['dtype']} {spec['shape']}",
                 )
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise _refuse(label, f"{name} holds NaN or inf")
             if name in self.fixed and tensor_sha256(tensor) != spec["sha256"]:
                 raise _refuse(
                     label,
