@@ -281,6 +281,10 @@ def test_a_resumed_fit_continues_the_chain(tmp_path: Path) -> None:
     _trainer([first, saves], max_steps=7, enable_checkpointing=True).fit(tiny_dlrm(), _data())
     assert [p.name for p in chain_of(root)] == [delta_name(1), delta_name(2)]
     killed_id = read_delta(chain_of(root)[1]).id
+    # Killed while writing a third delta: its hidden folder stays, and the resumed fit drops it.
+    unfinished = root / f".{delta_name(3)}.partial-0123456789ab"
+    unfinished.mkdir()
+    (unfinished / "rank-00000.pt").write_bytes(b"half")
     (resume_from,) = (tmp_path / "ckpt").iterdir()
     module = tiny_dlrm()
     second = DeltaPublisher(root, every_n_steps=3, at_partition_end=False)
@@ -289,6 +293,7 @@ def test_a_resumed_fit_continues_the_chain(tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match="published after the checkpoint"):
         trainer.fit(module, _data(), ckpt_path=str(resume_from))
     deltas = chain_of(root)
+    assert not unfinished.exists()
     assert [read_delta(p).info["step"] for p in deltas] == [3, 6, 9, 12]
     assert read_delta(deltas[1]).id != killed_id
     final = chain_state(module)

@@ -11,6 +11,7 @@ checkpoint.delta.write_delta`) and keeps its state in every full checkpoint
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import warnings
 from collections.abc import Callable, Mapping
@@ -31,6 +32,8 @@ from lightning_torchrec.checkpoint.delta import (
 from lightning_torchrec.checkpoint.paths import local_path
 from lightning_torchrec.distributed import broadcast_from_rank0, rank_and_world_size
 from lightning_torchrec.training.touched import TouchedIds
+
+log = logging.getLogger(__name__)
 
 #: The full checkpoint a chain starts from, in the chain's folder.
 BASE_NAME = "base"
@@ -102,6 +105,7 @@ class DeltaWriter:
                         "cannot continue there"
                     )
                 self._drop_later_deltas()
+            self._drop_partial_deltas()
 
         broadcast_from_rank0(check)
         if fresh:
@@ -116,6 +120,21 @@ class DeltaWriter:
         except Exception as err:  # noqa: BLE001 - agreed below
             error = err
         agree_checkpoint_error(error)
+
+    def _drop_partial_deltas(self) -> None:
+        """Removes the hidden folders of deltas a killed run was writing (rank 0).
+
+        A delta is written under ``.delta-NNNNNN.partial-*`` and renamed when complete; a run
+        killed before the rename leaves that folder, which no chain and no server reads.
+        """
+        if not self.dirpath.is_dir():
+            return
+        for path in sorted(self.dirpath.glob(".delta-*.partial-*")):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+                log.info(
+                    "%s: removed %s, a delta a killed run did not finish", self.dirpath, path.name
+                )
 
     def _drop_later_deltas(self) -> None:
         """Removes deltas past the resumed sequence (rank 0).
