@@ -27,8 +27,9 @@ from lightning_torchrec.data import PartitionStreamData
 from lightning_torchrec.data.drifting import DriftingClicks
 from lightning_torchrec.lightning import DeltaPublisher
 
-OUT = Path(sys.argv[1])
-PHASE = sys.argv[2]
+# Read only when run: the test imports ``clicks`` from here.
+OUT = Path(sys.argv[1]) if __name__ == "__main__" else Path()
+PHASE = sys.argv[2] if __name__ == "__main__" else ""
 ROWS, TABLES, DENSE = 300, 2, 13
 RESUME_STEP, KILL_STEP = 10, 13
 
