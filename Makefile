@@ -37,9 +37,11 @@ demo-seq: $(STAMP)
 demo-online: $(STAMP)
 	$(PY) -m lightning_torchrec.demo_online $(DEMO_ARGS)
 
+# Two workers, a test file each: a test file's module-scoped launch runs once, on one worker.
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(VENV)/bin/ruff check $(LINT_PATHS)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run
