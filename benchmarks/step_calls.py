@@ -25,6 +25,12 @@ would make the count depend on the clock. ``trainer_defaults`` therefore counts 
 between two refreshes); ``trainer_defaults_bar`` is the same with ``TQDM_MININTERVAL=0``
 (a refresh at every step, as Lightning's own bar does). Every per-step count is recorded.
 
+Each call is also charged to the library whose code it serves (``calls_by_owner``): the
+nearest frame on the stack, the call's own included, in the package, Lightning, TorchRec or tqdm
+(else ``other``). A torch call made by Lightning's loop is Lightning's; one made by the package's
+vote is the package's. At parity this separates the package's per-step work from the floor that
+Lightning's own loop sets.
+
 Variants: ``raw_base`` (the hand-written loop), ``raw_sparse_dist`` (TorchRec's
 ``TrainPipelineSparseDist.progress``), ``trainer_parity`` (``Trainer`` + ``TorchRecStrategy``
 at the strategy's defaults, ``pipeline="auto"``, Lightning's extras off), ``trainer_defaults``
@@ -79,6 +85,27 @@ PACKAGE = "lightning_torchrec"
 BAR_INTERVAL = {"trainer_defaults": "1e9", "trainer_defaults_bar": "0"}
 
 
+#: The libraries a call is charged to (see :func:`owner_of`), nearest frame first.
+OWNERS = (PACKAGE, "lightning", "torchrec", "tqdm")
+
+
+def owner_of(frame: FrameType) -> str:
+    """The library on whose behalf a call runs: the nearest frame (this one or a caller) in one
+    of :data:`OWNERS`' source trees, else ``"other"``.
+
+    A torch or stdlib call made by Lightning's code is Lightning's; one made by the package's
+    is the package's: the split says which library's own code a step's Python work serves.
+    """
+    f: FrameType | None = frame
+    while f is not None:
+        parts = f.f_code.co_filename.split(os.sep)
+        for owner in OWNERS:
+            if owner in parts:
+                return owner
+        f = f.f_back
+    return "other"
+
+
 class CallCounter:
     """Counts Python and C calls between ``mark()`` calls ``warmup`` and ``warmup + steps``.
 
@@ -92,7 +119,9 @@ class CallCounter:
         self.calls = 0
         self.c_calls = 0
         self.files: dict[str, int] = {}
+        self.owners: dict[str, int] = {}
         self.per_step: list[tuple[int, int, dict[str, int]]] = []  # (calls, c_calls, files)
+        self.owners_per_step: list[dict[str, int]] = []
 
     def _profile(self, frame: FrameType, event: str, arg: Any) -> None:
         if event == "call":
@@ -100,6 +129,8 @@ class CallCounter:
             if name != HERE:
                 self.calls += 1
                 self.files[name] = self.files.get(name, 0) + 1
+                owner = owner_of(frame)
+                self.owners[owner] = self.owners.get(owner, 0) + 1
         elif event == "c_call" and frame.f_code.co_filename != HERE:
             self.c_calls += 1
 
@@ -109,7 +140,8 @@ class CallCounter:
         self.index += 1
         if self.warmup < i <= self.warmup + self.steps:
             self.per_step.append((self.calls, self.c_calls, self.files))
-            self.calls, self.c_calls, self.files = 0, 0, {}
+            self.owners_per_step.append(self.owners)
+            self.calls, self.c_calls, self.files, self.owners = 0, 0, {}, {}
         if i == self.warmup + self.steps:
             sys.setprofile(None)
             gc.enable()
@@ -131,7 +163,8 @@ def _prefixes() -> list[tuple[str, str]]:
     for key in ("purelib", "platlib"):
         out.append((paths[key] + os.sep, ""))
     out.append((paths["stdlib"] + os.sep, "stdlib/"))
-    return out
+    # The longest first: a virtual environment inside the project is site-packages, not ours.
+    return sorted(out, key=lambda p: -len(p[0]))
 
 
 def label(filename: str, prefixes: list[tuple[str, str]]) -> str:
@@ -180,6 +213,10 @@ def summarize_counts(counter: CallCounter) -> dict[str, Any]:
             for _, _, f in counter.per_step
         ],
         "groups": dict(sorted(groups.items(), key=lambda kv: -kv[1]["calls_per_step"])),
+        "calls_by_owner": {
+            owner: sum(step.get(owner, 0) for step in counter.owners_per_step) / n
+            for owner in (*OWNERS, "other")
+        },
         "all_files": {k: v / n for k, v in files.items()},
     }
 
@@ -342,6 +379,8 @@ def write(args: argparse.Namespace, size: ModelSize, runs: dict[str, list[dict[s
         )
         for top, g in v["groups"].items():
             lines.append(f"   {top:28s} {g['files']:4d} files {g['calls_per_step']:9.1f} calls")
+        owners = ", ".join(f"{k} {c:.1f}" for k, c in v["calls_by_owner"].items())
+        lines.append(f"   charged to (the nearest library's frame on the stack): {owners}")
         lines.append(f"   {PACKAGE} files crossed, in the order first met (calls per step):")
         lines += [f"     {calls:7.1f}  {path}" for path, calls in v["package_files"].items()]
         lines.append("")

@@ -120,7 +120,7 @@ def is_distributed() -> bool:
     Returns:
         True when collectives reach other ranks.
     """
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return rank_and_world_size()[1] > 1
 
 
 def rank_and_world_size() -> tuple[int, int]:
@@ -129,9 +129,10 @@ def rank_and_world_size() -> tuple[int, int]:
     Returns:
         ``(rank, world_size)``; ``(0, 1)`` when ``torch.distributed`` is not initialised.
     """
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    # The default group's own rank and size: what ``dist.get_rank()`` and
+    # ``dist.get_world_size()`` return for it, without their dozen Python calls (every step).
+    group = dist.GroupMember.WORLD if dist.is_available() else None
+    return (0, 1) if group is None else (group.rank(), group.size())
 
 
 def _vote_place(group: Any, device: torch.device | None) -> torch.device:
@@ -216,9 +217,9 @@ def _launch_votes(
     flags: list[bool], device: torch.device | None, group: Any = None, later: bool = True
 ) -> Callable[[], list[list[int]]]:
     """Runs the votes' ``all_reduce`` (``later``: started only); returns what reads them."""
-    if not is_distributed():
+    rank, world = rank_and_world_size()
+    if world == 1:
         return lambda: [[0] if f else [] for f in flags]
-    world, rank = dist.get_world_size(), dist.get_rank()
     device = _vote_place(group, device)
     cells = [0] * (len(flags) * world)  # built on the host: one tensor, no indexed write
     for i, flag in enumerate(flags):

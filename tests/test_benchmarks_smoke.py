@@ -262,6 +262,8 @@ def test_the_call_counter_counts_each_call_of_a_step_once() -> None:
     assert counter.done
     # Per step: body and two leaves (Python), two len (C); nothing of the loop's or mark's own.
     assert [(c, cc) for c, cc, _ in counter.per_step] == [(3, 2)] * 3
+    # This file is no library's: every call is charged to "other".
+    assert counter.owners_per_step == [{"other": 3}] * 3
     assert all(sum(files.values()) == 3 for _, _, files in counter.per_step)
     run = {"calls_by_step": [3, 3], "c_calls_by_step": [2, 2], "all_files": {"a.py": 3}}
     assert _stable([run, dict(run)])
@@ -301,6 +303,11 @@ def test_step_calls_counts_a_steady_step_the_same_twice(tmp_path: Path) -> None:
         assert first == second and len(first) == 2 and min(first) > 0, name
         assert v["c_calls_per_step"] > 0
     trainer = r["variants"]["trainer_parity"]
+    for name, v in r["variants"].items():  # each call charged to one owner
+        assert sum(v["calls_by_owner"].values()) == v["calls_per_step"], name
+    assert trainer["calls_by_owner"]["lightning"] > 0
+    assert trainer["calls_by_owner"]["lightning_torchrec"] > 0
+    assert r["variants"]["raw_sparse_dist"]["calls_by_owner"]["lightning"] == 0
     assert "lightning_torchrec/lightning/module.py" in trainer["package_files"]
     assert all(calls > 0 for calls in trainer["package_files"].values())
     assert r["variants"]["raw_sparse_dist"]["ratio_to_raw_sparse_dist"] == 1.0

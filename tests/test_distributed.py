@@ -11,6 +11,7 @@ import atexit
 import os
 import warnings
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -108,6 +109,9 @@ class FakeWorld:
         monkeypatch.setattr(dist, "is_initialized", lambda: True)
         monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
         monkeypatch.setattr(dist, "get_rank", lambda group=None: self.rank)
+        # The package asks the default group itself for its rank and size.
+        group = SimpleNamespace(rank=lambda: self.rank, size=lambda: 2)
+        monkeypatch.setattr(dist, "GroupMember", SimpleNamespace(WORLD=group))
         monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
         monkeypatch.setattr(dist, "all_reduce", self.all_reduce)
         monkeypatch.setattr(dist, "all_gather_object", self.all_gather_object)

@@ -104,7 +104,13 @@ def kjts_of(batch: Any) -> list[Any]:
         items = list(batch)
     else:
         return []
-    return [k for item in items for k in kjts_of(item)]
+    found: list[Any] = []
+    for item in items:
+        if isinstance(item, KeyedJaggedTensor):
+            found.append(item)
+        elif not isinstance(item, torch.Tensor):  # a tensor holds no KJT: not looked into
+            found += kjts_of(item)
+    return found
 
 
 def _check_kjt(kjt: Any, specs: Mapping[str, FeatureSpec]) -> None:
