@@ -104,13 +104,8 @@ def kjts_of(batch: Any) -> list[Any]:
         items = list(batch)
     else:
         return []
-    found: list[Any] = []
-    for item in items:
-        if isinstance(item, KeyedJaggedTensor):
-            found.append(item)
-        elif not isinstance(item, torch.Tensor):  # a tensor holds no KJT: not looked into
-            found += kjts_of(item)
-    return found
+    # A tensor holds no KJT: not looked into.
+    return [k for item in items if not isinstance(item, torch.Tensor) for k in kjts_of(item)]
 
 
 def _check_kjt(kjt: Any, specs: Mapping[str, FeatureSpec]) -> None:
