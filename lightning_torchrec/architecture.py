@@ -77,7 +77,7 @@ LAYERS: tuple[Layer, ...] = (
         "data",
         "batches, datasets and data modules (synthetic, Criteo, Parquet) that resume mid-epoch; "
         "a stream of time partitions, one an epoch",
-        ("errors",),
+        ("errors", "distributed"),
         trainer=True,
     ),
     Layer(

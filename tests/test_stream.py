@@ -129,6 +129,38 @@ def test_a_partition_written_while_waiting_is_picked_up(tmp_path: Path) -> None:
     assert "no partition after 'hour=T01'" in str(data.ended)
 
 
+def test_the_wait_is_rounds_of_one_agreed_look_each(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 looks once a round and the ranks sleep between rounds together: no collective
+    lasts a whole wait (an hour's wait would outlast the process group's timeout), and an
+    error of rank 0's listing is raised through the agreed broadcast, not left on rank 0."""
+    import lightning_torchrec.data.stream as stream_module
+
+    hours(tmp_path, [16])
+    data = stream(tmp_path, timeout_seconds=0.35)
+    data.poll_seconds = 0.1
+    decisions: list[dict[str, Any]] = []
+
+    def one_round(fn: Any) -> Any:
+        decisions.append(fn())
+        return decisions[-1]
+
+    monkeypatch.setattr(stream_module, "broadcast_from_rank0", one_round)
+    assert data.partition(0) is not None and data.partition(1) is None
+    waits = [d["wait"] for d in decisions if "wait" in d]
+    assert len(waits) >= 3 and all(0 < w <= 0.1 for w in waits), decisions
+    assert "end" in decisions[-1]
+
+    def listing_fails(*args: Any) -> Any:
+        raise OSError("the source's file system is gone")
+
+    fresh = stream(tmp_path, timeout_seconds=0)
+    monkeypatch.setattr(stream_module, "list_partitions", listing_fails)
+    with pytest.raises(OSError, match="file system is gone"):
+        fresh.partition(0)
+
+
 def test_a_partition_sorting_before_one_taken_is_skipped_with_a_warning(tmp_path: Path) -> None:
     hours(tmp_path, [16])
     write_partition(tmp_path, "hour=T05", 5, 16)

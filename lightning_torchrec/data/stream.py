@@ -86,6 +86,7 @@ from lightning_torchrec.data.criteo_files import NPY_KINDS, reduce_ids, table_si
 from lightning_torchrec.data.parquet import ParquetRows, expand_paths
 from lightning_torchrec.data.parquet_columns import check_positive
 from lightning_torchrec.data.resumable import ResumableDataLoader, ResumableIterableDataset
+from lightning_torchrec.distributed import broadcast_from_rank0
 from lightning_torchrec.errors import PartitionError
 
 __all__ = [
@@ -605,6 +606,8 @@ class PartitionStreamData(LightningDataModule):
         self._first_columns: list[str] | None = None
         self._skipped: set[str] = set()
         self._tails: set[tuple[str, str]] = set()
+        #: Rank 0, while it waits for the next partition: when the wait ends (monotonic clock).
+        self._deadline: float | None = None
 
     @property
     def current_partition(self) -> str | None:
@@ -789,12 +792,13 @@ class PartitionStreamData(LightningDataModule):
             PartitionError: naming the partition, when it is missing or cannot be trained on.
         """
         while len(self.partitions) <= index and self.ended is None:
-            decision = self._decide() if self.rank_and_world()[0] == 0 else None
-            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-                box = [decision]
-                dist.broadcast_object_list(box, src=0)
-                decision = box[0]
-            assert decision is not None
+            # One look at the source a round, rank 0's, its error raised on every rank; the
+            # ranks wait between rounds together, so no collective lasts longer than a poll.
+            decision = broadcast_from_rank0(self._decide)
+            if "wait" in decision:
+                time.sleep(decision["wait"])
+                continue
+            self._deadline = None
             if "error" in decision:
                 raise PartitionError(decision["error"])
             if "end" in decision:
@@ -811,7 +815,7 @@ class PartitionStreamData(LightningDataModule):
         return self.partitions[index] if index < len(self.partitions) else None
 
     def _decide(self) -> dict[str, Any]:
-        """Rank 0: the next partition (checked), the end of the stream, or an error."""
+        """Rank 0: the next partition (checked), the stream's end, an error, or a wait."""
         index = len(self.partitions)
         if index < len(self._restored):  # taken before the checkpoint: the same one again
             saved = self._restored[index]
@@ -822,17 +826,15 @@ class PartitionStreamData(LightningDataModule):
                     "before the checkpoint, is missing"
                 }
             return self._check(saved["name"], path)
-        deadline = time.monotonic() + self.timeout_seconds
-        while True:
-            found = self._next_present()
-            if isinstance(found, dict):
-                return found
-            if found is not None:
-                return self._check(found[0], found[1])
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return self._end_of_wait()
-            time.sleep(min(self.poll_seconds, left))
+        found = self._next_present()
+        if isinstance(found, dict):
+            return found
+        if found is not None:
+            return self._check(found[0], found[1])
+        if self._deadline is None:
+            self._deadline = time.monotonic() + self.timeout_seconds
+        left = self._deadline - time.monotonic()
+        return self._end_of_wait() if left <= 0 else {"wait": min(self.poll_seconds, left)}
 
     def _next_present(self) -> tuple[str, Path] | dict[str, Any] | None:
         """Rank 0: the next partition present, the end of a list, or None (none yet)."""
