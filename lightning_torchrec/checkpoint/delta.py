@@ -60,6 +60,7 @@ from lightning_torchrec.sharding.layout import global_shape, shard_info
 from lightning_torchrec.sharding.tables import embedding_tables, table_of_key
 from lightning_torchrec.training.finite import nonfinite_tensors
 from lightning_torchrec.training.optim import keyed_optimizer
+from lightning_torchrec.training.touched import united_ids
 
 #: ``delta.json``'s ``format``.
 DELTA_FORMAT = "lightning_torchrec.delta"
@@ -259,19 +260,6 @@ def _owned(
     return out
 
 
-def _union(touched: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Every rank's touched ids per table, united (sorted, unique). Collective."""
-    mine = {
-        name: torch.as_tensor(ids, dtype=torch.int64).reshape(-1).unique()
-        for name, ids in touched.items()
-    }
-    united: dict[str, list[torch.Tensor]] = {}
-    for share in all_gather(mine):
-        for name, ids in share.items():
-            united.setdefault(name, []).append(ids)
-    return {name: torch.cat(parts).unique() for name, parts in sorted(united.items())}
-
-
 # ---------------------------------------------------------------------- writing
 def write_delta(
     root: str | Path,
@@ -328,7 +316,7 @@ def write_delta(
     final = root / name
     error: BaseException | None = None
     tables = model_tables(module)
-    ids = _union(touched)
+    ids = united_ids(touched)
     for table in tables.values():
         if shard_info(table.tensor).replicated:
             # A data-parallel table is trained by the dense optimizer, whose momentum moves

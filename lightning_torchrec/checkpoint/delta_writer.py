@@ -183,7 +183,7 @@ class DeltaWriter:
         """
         if self.base_id is None or self.last_id is None:
             raise RuntimeError("DeltaWriter.start() first: the chain has no base yet")
-        touched = self.touched.gathered()
+        touched = self.touched.local()  # write_delta unites the ranks' ids
         if self.everything:
             touched = {t.name: torch.arange(t.rows) for t in model_tables(module).values()}
         path = write_delta(

@@ -165,18 +165,12 @@ class TouchedIds:
         return out
 
     def gathered(self) -> dict[str, torch.Tensor]:
-        """Every rank's pending ids united; every rank keeps the union. Collective.
+        """Every rank's pending ids united (each rank keeps only its own). Collective.
 
         Returns:
             ``{table: sorted unique global ids}``, the same on every rank.
         """
-        united: dict[str, list[torch.Tensor]] = {}
-        for share in all_gather(self.local()):
-            for table, ids in share.items():
-                united.setdefault(table, []).append(ids)
-        out = {t: torch.cat(parts).unique() for t, parts in sorted(united.items())}
-        self._pending = {t: [ids] for t, ids in out.items()}
-        return out
+        return united_ids(self.local())
 
     def clear(self) -> None:
         """Forgets the pending ids (after a publish); rows marked since stay marked."""
@@ -205,3 +199,23 @@ class TouchedIds:
                 raise ValueError(f"touched ids of {table!r}: not a 1-D integer tensor")
             pending[str(table)] = [ids.to(torch.int64)]
         self._pending = pending
+
+
+def united_ids(touched: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Every rank's touched ids per table, united. Collective.
+
+    Args:
+        touched: this rank's ids per table (any integer tensors or sequences).
+
+    Returns:
+        ``{table: sorted unique global ids}``, the same on every rank, tables in name order.
+    """
+    mine = {
+        name: torch.as_tensor(ids, dtype=torch.int64).reshape(-1).unique()
+        for name, ids in touched.items()
+    }
+    united: dict[str, list[torch.Tensor]] = {}
+    for share in all_gather(mine):
+        for name, ids in share.items():
+            united.setdefault(name, []).append(ids)
+    return {name: torch.cat(parts).unique() for name, parts in sorted(united.items())}
