@@ -27,6 +27,7 @@ from lightning_torchrec.checkpoint.delta import DELTA_FILE, DENSE_FILE, delta_na
 from lightning_torchrec.checkpoint.manifest import MANIFEST_FILE, file_checksum
 from lightning_torchrec.data import SyntheticClickDataset
 from lightning_torchrec.errors import (
+    CheckpointWriteError,
     DeltaRefusedError,
     NonFiniteCheckpointError,
     ShardingConflictError,
@@ -227,6 +228,25 @@ def test_signed_deltas_and_bad_ids(chain: dict[str, Any], tmp_path: Path) -> Non
     with pytest.raises(ValueError, match="not in the model"):
         write_delta(tmp_path, module, {"nope": torch.tensor([1])}, **_next(base_id))
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # nothing else written
+
+
+def test_a_rank_without_the_key_stops_the_publish_of_a_signed_delta(
+    chain: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A rank whose environment lacks the key writes its file with a CRC only; a signed manifest
+    # over it would be refused by every reader, and the chain would stall behind it.
+    import lightning_torchrec.checkpoint.delta as delta_module
+
+    checksum = delta_module.file_checksum
+
+    def keyless_rank_file(path: Path, strong: bool = False) -> dict[str, Any]:
+        return checksum(path, strong=strong and not path.name.startswith("rank-"))
+
+    monkeypatch.setattr(delta_module, "file_checksum", keyless_rank_file)
+    module, base_id = chain["target"], checkpoint_id(chain["root"] / "base")
+    with pytest.raises(CheckpointWriteError, match="ranks without the checkpoint key wrote"):
+        write_delta(tmp_path, module, {"t_cat_0": torch.tensor([1])}, **_next(base_id), key=KEY)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_non_finite_rows_are_neither_published_nor_restored(

@@ -442,6 +442,12 @@ def _write(
     if rank == 0:
         try:
             files = {n: s for share in gathered for n, s in share.items()}
+            unsigned = sorted(n for n, s in files.items() if key is not None and "sha256" not in s)
+            if unsigned:  # a signed manifest over them would be refused by every reader
+                raise CheckpointWriteError(
+                    f"cannot sign delta {final}: ranks without the checkpoint key wrote "
+                    f"{unsigned[:5]}; give every rank the same key. No delta written."
+                )
             current = tmp / DENSE_FILE
             write_torch_file(dense, current)
             files[DENSE_FILE] = file_checksum(current, strong=key is not None)
