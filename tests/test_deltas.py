@@ -327,8 +327,14 @@ def test_time_trigger_and_a_folder_of_another_run(tmp_path: Path) -> None:
     timed = DeltaPublisher(
         root, every_minutes=1e-9, at_partition_end=False, time_check_every_n_steps=2
     )
-    _trainer([timed], max_steps=5).fit(tiny_dlrm(), _data())
+    trainer, model = _trainer([timed], max_steps=5), tiny_dlrm()
+    trainer.fit(model, _data())
     assert [read_delta(p).info["step"] for p in timed.published] == [2, 4]
+    # The fit's end undoes what the publisher set on the model the strategy keeps.
+    dmp = trainer.strategy.run.dmp
+    assert not timed.writer.touched.attached and dmp.get_delta_tracker() is None
+    sharded = [m for m in dmp.modules() if hasattr(m, "post_lookup_tracker_fn")]
+    assert sharded and all(m.post_lookup_tracker_fn is None for m in sharded)
     fresh = DeltaPublisher(root)
     with pytest.raises(FileExistsError, match="another run"):
         _trainer([fresh], max_steps=1).fit(tiny_dlrm(), _data())

@@ -121,6 +121,10 @@ class DeltaWriter:
             error = err
         agree_checkpoint_error(error)
 
+    def stop(self) -> None:
+        """Stops tracking the model's lookups; the chain's state stays for a later start."""
+        self.touched.detach()
+
     def _drop_partial_deltas(self) -> None:
         """Removes the hidden folders of deltas a killed run was writing (rank 0).
 

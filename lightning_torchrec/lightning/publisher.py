@@ -84,7 +84,7 @@ class DeltaPublisher(Callback):
         self._trainer = trainer
         strategy = trainer.strategy
         kind = getattr(getattr(strategy, "pipeline_config", None), "kind", None)
-        if kind == "semi_sync":
+        if stage == "fit" and kind == "semi_sync":
             raise ValueError(
                 "DeltaPublisher cannot follow pipeline='semi_sync': it looks up the next batch's "
                 "rows before this batch's update, so a delta could miss rows updated after it "
@@ -106,6 +106,13 @@ class DeltaPublisher(Callback):
         )
         self._last_time = time.monotonic()
         self._last_step = trainer.global_step
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # After the fit (or its failure): the model, which the strategy keeps, stops marking.
+        if stage == "fit":
+            self.writer.stop()
+        self._trainer = None
 
     def _publish(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.global_step == self._last_step:

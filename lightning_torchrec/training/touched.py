@@ -53,6 +53,7 @@ class TouchedIds:
     def __init__(self) -> None:
         self._pending: dict[str, list[torch.Tensor]] = {}
         self._tracker: Any = None
+        self._dmp: Any = None
         self._handles: list[Any] = []
         #: table -> bitmap of this rank's shard rows, and the shard's first global row
         self._marks: dict[str, tuple[torch.Tensor, int]] = {}
@@ -65,7 +66,7 @@ class TouchedIds:
         return self._tracker is not None
 
     def attach(self, dmp: Any, module: nn.Module) -> None:
-        """Starts recording the training lookups of a sharded model (drops what was marked).
+        """Starts recording the training lookups of a sharded model (after :meth:`detach`).
 
         Args:
             dmp: the ``DistributedModelParallel``.
@@ -79,10 +80,8 @@ class TouchedIds:
             DeltaTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, delete_on_read=True)
         )
         tracker.clear()
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        self._marks = {}
+        self.detach()
+        self._dmp = dmp
         for key, tensor in embedding_tables(module).items():
             shards = shard_info(tensor).shards
             starts = {s.row_offset for s in shards}
@@ -107,6 +106,29 @@ class TouchedIds:
             if _inside_managed_collision(module, fqn):
                 self._watch_lookups(tracked)
         self._tracker = tracker
+
+    def detach(self) -> None:
+        """Stops recording, undoing what :meth:`attach` set on the model (the pending ids stay).
+
+        The lookups' hooks are removed, the tracker leaves the ``DistributedModelParallel`` and
+        the marks are freed: a model kept after the fit neither marks rows for a publisher that
+        is gone nor holds its bitmaps.
+        """
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._tracker is not None:
+            for tracked in self._tracker.get_tracked_modules().values():
+                if getattr(tracked, "post_lookup_tracker_fn", None) == self._record:
+                    tracked.post_lookup_tracker_fn = None
+            trackers = getattr(self._dmp, "model_trackers", None)
+            if isinstance(trackers, dict):
+                for name in [n for n, t in trackers.items() if t is self._tracker]:
+                    del trackers[name]
+        self.drain()  # what the lookups marked is kept as pending ids
+        self._tracker = self._dmp = None
+        self._marks = {}
+        self._tables = {}
 
     def _record(
         self, kjt: KeyedJaggedTensor, states: Any = None, emb_module: Any = None, *_: Any
