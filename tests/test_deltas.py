@@ -277,7 +277,7 @@ def test_non_finite_rows_are_neither_published_nor_restored(
     assert_same(chain_state(module, chain["optimizer"]), before)
 
 
-def test_column_wise_tables_are_refused_clearly(tmp_path: Path) -> None:
+def test_column_wise_tables_are_refused_clearly(chain: dict[str, Any], tmp_path: Path) -> None:
     module = tiny_dlrm(embedding_dim=8)
     types = {"t_cat_0": "column_wise", "t_cat_1": "table_wise"}
     cw = TorchRecStrategy(constraints=sharding_constraints(types, min_partition=4), log_plan=False)
@@ -285,6 +285,11 @@ def test_column_wise_tables_are_refused_clearly(tmp_path: Path) -> None:
     with pytest.raises(ShardingConflictError, match="'t_cat_0' is sharded by columns"):
         write_delta(tmp_path, module, {"t_cat_0": torch.tensor([3])}, **_next("0" * 64))
     assert list(tmp_path.iterdir()) == []
+    # Restoring onto such a plan is refused too, before the base is loaded.
+    before = {k: v.clone() for k, v in chain_state(module, None).items()}
+    with pytest.raises(ShardingConflictError, match="'t_cat_0' is sharded by columns"):
+        restore_chain(module, chain["root"] / "base", chain_of(chain["root"]))
+    assert_same(chain_state(module, None), before)
 
 
 def _next(base_id: str) -> dict[str, Any]:

@@ -861,6 +861,8 @@ def restore_chain(
         read = [read_delta(d, key=key) for d in deltas]
         check_chain(base_id, read)
         tables = model_tables(module)
+        for table in tables.values():  # whole rows on one rank, as the writer needs them
+            _owned(table.tensor, torch.empty(0, dtype=torch.int64), 0, table.name)
         states = _row_states(optimizer, tables)
         dense = _dense_targets(module, tables)
         contents = [_check_content(d, tables, states, dense) for d in read]
@@ -873,8 +875,12 @@ def restore_chain(
     tables = model_tables(module)
     states = _row_states(optimizer, tables)
     dense = _dense_targets(module, tables)
-    for delta, files in zip(read, contents, strict=True):
-        _apply(files, bool(delta.info.get("dense")), tables, states, dense)
+    try:  # a failure here (out of memory) is every rank's, not one rank's alone
+        for delta, files in zip(read, contents, strict=True):
+            _apply(files, bool(delta.info.get("dense")), tables, states, dense)
+    except Exception as err:  # noqa: BLE001 - agreed below
+        error = err
+    agree_checkpoint_error(error)
     return read[-1] if read else None
 
 
