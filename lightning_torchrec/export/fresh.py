@@ -120,20 +120,6 @@ def encode_rows(rows: torch.Tensor, dtype: str) -> torch.Tensor:
     return torch.cat([fused[:, -SCALE_BIAS_BYTES:], fused[:, :-SCALE_BIAS_BYTES]], dim=1)
 
 
-def encoded_bytes(dtype: str, dim: int) -> int:
-    """Bytes :func:`encode_rows` writes per row.
-
-    Args:
-        dtype: a table dtype name.
-        dim: the table width.
-
-    Returns:
-        The byte count.
-    """
-    extra = SCALE_BIAS_BYTES if dtype in ("int8", "int4") else 0
-    return dim * DTYPE_BITS[dtype] // 8 + extra
-
-
 # ---------------------------------------------------------------------------------------------
 # Managed-collision remapping: the served form of an MCH module's state, shared with
 # export/managed.py (the export builds its RawIdRemap with it, a delta's rebuild is the same)
@@ -396,7 +382,7 @@ def _verified(folder: Path, name: str, manifest: dict[str, Any], label: str) -> 
     entry = manifest["files"].get(name)
     if entry is None:
         raise _refuse(label, f"{name} is not listed in {MANIFEST_FILE}")
-    data = _read_file(folder, name, None, label)
+    data = _read_file(folder, name, entry["size"], label)  # a planted huge file: never read
     if len(data) != entry["size"]:
         raise _refuse(
             label, f"{name} has {len(data)} bytes, {entry['size']} were written (truncated?)"

@@ -163,15 +163,6 @@ class TouchedIds:
                 self._pending.setdefault(table, []).append(ids.cpu() + start)
                 marks.zero_()
 
-    def add(self, table: str, ids: torch.Tensor) -> None:
-        """Marks global row ids of ``table`` touched (a loop that tracks ids itself).
-
-        Args:
-            table: the table's name.
-            ids: global row ids.
-        """
-        self._pending.setdefault(table, []).append(torch.as_tensor(ids, dtype=torch.int64).cpu())
-
     def local(self) -> dict[str, torch.Tensor]:
         """This rank's pending ids per table (sorted, unique), after a :meth:`drain`.
 
