@@ -894,5 +894,5 @@ def chain_of(root: str | Path) -> list[Path]:
         ``root/delta-000001``, ``root/delta-000002``, ... that exist, in order.
     """
     root = local_path(root)
-    found = sorted(p for p in root.glob("delta-*") if p.is_dir() and p.name[6:].isdigit())
-    return found
+    found = [p for p in root.glob("delta-*") if p.is_dir() and p.name[6:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[6:]))  # delta-1000000 after delta-999999
