@@ -23,12 +23,8 @@ import lightning as L
 import numpy as np
 import torch
 
+from benchmarks.checkpoint_cost import dir_bytes
 from benchmarks.common import RESULTS, write_result
-
-
-def dir_bytes(path: Path) -> int:
-    """Bytes of every file under ``path``."""
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def zipf_touched(rows: int, fraction: float, a: float, seed: int) -> tuple[torch.Tensor, int]:
