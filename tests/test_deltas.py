@@ -285,6 +285,12 @@ def test_column_wise_tables_are_refused_clearly(chain: dict[str, Any], tmp_path:
     with pytest.raises(ShardingConflictError, match="'t_cat_0' is sharded by columns"):
         write_delta(tmp_path, module, {"t_cat_0": torch.tensor([3])}, **_next("0" * 64))
     assert list(tmp_path.iterdir()) == []
+    # A publisher refuses the plan at the fit's start, before it writes the chain's base.
+    cw = TorchRecStrategy(constraints=sharding_constraints(types, min_partition=4), log_plan=False)
+    publisher = DeltaPublisher(tmp_path / "chain")
+    with pytest.raises(ShardingConflictError, match="'t_cat_0' is sharded by columns"):
+        cpu_trainer(cw, max_steps=2, callbacks=[publisher]).fit(tiny_dlrm(embedding_dim=8), _data())
+    assert not (tmp_path / "chain" / "base").exists()
     # Restoring onto such a plan is refused too, before the base is loaded.
     before = {k: v.clone() for k, v in chain_state(module, None).items()}
     with pytest.raises(ShardingConflictError, match="'t_cat_0' is sharded by columns"):

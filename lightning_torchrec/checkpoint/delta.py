@@ -260,6 +260,19 @@ def _owned(
     return out
 
 
+def check_whole_rows(tables: Mapping[str, _Table]) -> None:
+    """Raises unless each table's rows are whole on the rank holding them (no column shards).
+
+    Args:
+        tables: from :func:`model_tables`.
+
+    Raises:
+        ShardingConflictError: naming the first table sharded by columns.
+    """
+    for table in tables.values():
+        _owned(table.tensor, torch.empty(0, dtype=torch.int64), 0, table.name)
+
+
 # ---------------------------------------------------------------------- writing
 def write_delta(
     root: str | Path,
@@ -861,8 +874,7 @@ def restore_chain(
         read = [read_delta(d, key=key) for d in deltas]
         check_chain(base_id, read)
         tables = model_tables(module)
-        for table in tables.values():  # whole rows on one rank, as the writer needs them
-            _owned(table.tensor, torch.empty(0, dtype=torch.int64), 0, table.name)
+        check_whole_rows(tables)
         states = _row_states(optimizer, tables)
         dense = _dense_targets(module, tables)
         contents = [_check_content(d, tables, states, dense) for d in read]

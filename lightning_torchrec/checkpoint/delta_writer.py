@@ -24,6 +24,7 @@ from torch import nn
 from lightning_torchrec.checkpoint.common import agree_checkpoint_error
 from lightning_torchrec.checkpoint.delta import (
     DELTA_FILE,
+    check_whole_rows,
     checkpoint_id,
     delta_name,
     model_tables,
@@ -86,8 +87,16 @@ class DeltaWriter:
             FileExistsError: on every rank, if a fresh chain finds a base in ``dirpath`` (a
                 chain of another run: give a new ``dirpath``, or resume that run).
             ValueError: on every rank, if a resumed chain's base is missing or is another.
+            ShardingConflictError: on every rank, before the base is written, if a table is
+                sharded by columns (a delta needs each row whole on one rank).
         """
         fresh = self.base_id is None
+        error: BaseException | None = None
+        try:  # a plan deltas cannot follow: refused now, not at the first publish
+            check_whole_rows(model_tables(module))
+        except Exception as err:  # noqa: BLE001 - agreed below
+            error = err
+        agree_checkpoint_error(error)
 
         def check() -> None:
             if fresh and (self.base_path.exists() or self.base_path.is_symlink()):
@@ -114,7 +123,6 @@ class DeltaWriter:
             self.base_id = broadcast_from_rank0(lambda: checkpoint_id(self.base_path))
             self.last_id = self.base_id
             self.sequence = 0
-        error = None
         try:
             self.touched.attach(dmp, module)
         except Exception as err:  # noqa: BLE001 - agreed below
