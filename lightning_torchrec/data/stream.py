@@ -115,12 +115,14 @@ class Partition:
         name: its name (the file's name without ``.parquet``, or the directory's).
         path: the file or directory.
         files: its Parquet files, in order.
+        num_rows: its rows (rank 0 counted them when it took the partition; 0: not counted).
     """
 
     index: int
     name: str
     path: str
     files: tuple[str, ...]
+    num_rows: int = 0
 
 
 def _name(path: Path) -> str:
@@ -494,7 +496,7 @@ class PartitionStreamLoader(ResumableDataLoader):
             dataset = self.dataset
             assert isinstance(dataset, PartitionStreamDataset)
             if partition is not None and (
-                self._started[0] + self.rows_per_step > dataset.rows(partition).num_rows
+                self._started[0] + self.rows_per_step > partition.num_rows
             ):
                 # Resumed after the partition's last batch: Lightning ends this epoch without
                 # reading and reads the next epoch from this iterator.
@@ -760,7 +762,7 @@ class PartitionStreamData(LightningDataModule):
         if (partition.name, stage) in self._tails or dataset.rank != 0:
             return
         self._tails.add((partition.name, stage))
-        rows = dataset.rows(partition).num_rows
+        rows = partition.num_rows
         step = dataset.world_size * dataset.batch_size
         if rows % step:
             log.info(
@@ -809,7 +811,11 @@ class PartitionStreamData(LightningDataModule):
             self._first_columns = self._first_columns or decision["columns"]
             self.partitions.append(
                 Partition(
-                    len(self.partitions), decision["name"], decision["path"], decision["files"]
+                    len(self.partitions),
+                    decision["name"],
+                    decision["path"],
+                    decision["files"],
+                    decision["num_rows"],
                 )
             )
         return self.partitions[index] if index < len(self.partitions) else None
@@ -900,7 +906,13 @@ class PartitionStreamData(LightningDataModule):
                     "error": f"{where}: {file} has other columns than the stream's first "
                     f"partition (added: {extra}, missing: {missing})"
                 }
-        return {"name": name, "path": str(path), "files": tuple(files), "columns": columns}
+        return {
+            "name": name,
+            "path": str(path),
+            "files": tuple(files),
+            "columns": columns,
+            "num_rows": reader.num_rows,
+        }
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
